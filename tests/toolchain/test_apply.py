@@ -1,0 +1,311 @@
+# SPDX-License-Identifier: Apache-2.0
+"""apply.py on small fixture repos: no vLLM, no network beyond loopback."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import hashlib
+import http.server
+import io
+import json
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import git
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+import apply  # noqa: E402
+
+VERSION, COMMIT = "9.9.0", "gabc1234"
+BASE_FILES = {
+    "vllm/__init__.py": "",
+    "vllm/_version.py": f"__version__ = version = '{VERSION}'\n__commit_id__ = commit_id = '{COMMIT}'\n",
+    "vllm/config.py": "".join(f"line_{i} = {i}\n" for i in range(40)),
+    "vllm/binary_differs.py": "A = 1\n",
+    "README.md": "fixture\n",
+}
+HEADER = "Why: {why}\nHow: it edits a file.\nUpstream: not upstreamable because it is a fixture.\nRemove-when: never.\n"
+IDENTITY = {"user.name": "Fixture Dev", "user.email": "dev@fixture.invalid"}
+
+
+def commit_all(repo: git.Repo, message: str) -> None:
+    repo.git.add("-A", "-f")
+    with repo.config_writer() as config:
+        for key, value in IDENTITY.items():
+            section, option = key.split(".")
+            config.set_value(section, option, value)
+    repo.git.commit("-q", "-m", message)
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> dict:
+    """A pristine fixture 'vLLM' repo, a pin for it, a binary wheel of it and a
+    working clone with a two-patch stack exported to a patches directory."""
+    pristine = tmp_path / "pristine"
+    for name, text in BASE_FILES.items():
+        (pristine / name).parent.mkdir(parents=True, exist_ok=True)
+        (pristine / name).write_text(text)
+    repo = git.Repo.init(pristine, initial_branch="main")
+    commit_all(repo, "pristine")
+    repo.create_tag(f"v{VERSION}")
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    wheel = cache / f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl"
+    make_binary_wheel(wheel, {**BASE_FILES, "vllm/binary_differs.py": "A = 2\n"})
+    pin = tmp_path / "pin.json"
+    pin.write_text(json.dumps({
+        "version": VERSION,
+        "commit": COMMIT,
+        "index_url": "http://127.0.0.1:9/simple",
+        "artifacts": {
+            "cuda": {"project": "vllm", "filename": wheel.name,
+                     "sha256": apply.sha256_of(wheel)},
+        },
+    }))
+
+    work = tmp_path / "work"
+    work_repo = git.Repo.clone_from(pristine, work)
+    config = work / "vllm/config.py"
+    config.write_text(config.read_text().replace("line_3 = 3", "line_3 = 'tree'"))
+    commit_all(work_repo, "[Spec Decode] First change\n\n" + HEADER.format(why="first"))
+    config.write_text(config.read_text().replace("line_30 = 30", "line_30 = 'walk'"))
+    (work / "vllm/tree.py").write_text("# SPDX-License-Identifier: Apache-2.0\nTREE = True\n")
+    commit_all(work_repo, "[Spec Decode] Second change\n\n" + HEADER.format(why="second"))
+
+    patches = tmp_path / "patches"
+    common = ["--pin", str(pin), "--patches", str(patches), "--cache-dir", str(cache)]
+    assert apply.main(["export", "--vllm-src", str(work), *common]) == 0
+    return {"tmp": tmp_path, "pristine": pristine, "work": work, "patches": patches,
+            "common": common, "cache": cache, "wheel": wheel}
+
+
+def make_binary_wheel(path: Path, files: dict[str, str]) -> None:
+    dist_info = f"vllm-{VERSION}.dist-info"
+    rows = []
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
+        members = {
+            **{name: text.encode() for name, text in files.items() if name.startswith("vllm/")},
+            "vllm/_C.abi3.so": b"\x7fELF" + bytes(4096),
+            f"{dist_info}/METADATA": f"Metadata-Version: 2.4\nName: vllm\nVersion: {VERSION}\n".encode(),
+            f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\n",
+        }
+        for name, data in members.items():
+            out.writestr(name, data)
+            rows.append((name, apply.record_hash(data), str(len(data))))
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerows(rows + [(f"{dist_info}/RECORD", "", "")])
+        out.writestr(f"{dist_info}/RECORD", buffer.getvalue())
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    code = apply.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_good_stack_checks_and_applies(workspace, capsys):
+    patches = workspace["patches"]
+    assert (patches / "series").read_text().splitlines() == [
+        "0001-Spec-Decode-First-change.patch",
+        "0002-Spec-Decode-Second-change.patch",
+    ]
+    code, out = run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])
+    assert code == 0, out
+    assert "* Applying 0001-Spec-Decode-First-change.patch (1/2)" in out
+    assert "* Applying 0002-Spec-Decode-Second-change.patch (2/2)" in out
+    assert "Passed: 2 patches" in out
+
+    target = git.Repo.clone_from(workspace["pristine"], workspace["tmp"] / "target")
+    before = target.head.commit.hexsha
+    code, out = run(capsys, "apply", "--vllm-src", target.working_dir, *workspace["common"])
+    assert code == 0, out
+    assert [c.summary for c in target.iter_commits(f"{before}..HEAD")] == [
+        "[Spec Decode] Second change", "[Spec Decode] First change",
+    ]
+    assert (Path(target.working_dir) / "vllm/tree.py").exists()
+    assert not target.is_dirty(untracked_files=True)
+
+
+def test_check_leaves_the_checkout_untouched(workspace, capsys):
+    repo = git.Repo(workspace["pristine"])
+    head, refs = repo.head.commit.hexsha, sorted(str(r) for r in repo.refs)
+    assert run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])[0] == 0
+    assert repo.head.commit.hexsha == head
+    assert sorted(str(r) for r in repo.refs) == refs
+    assert not repo.is_dirty(untracked_files=True)
+
+
+def break_second_patch(patches: Path) -> Path:
+    broken = patches / "0002-Spec-Decode-Second-change.patch"
+    broken.write_text(broken.read_text().replace(" line_29 = 29\n", " line_29 = 'changed'\n"))
+    return broken
+
+
+def test_broken_patch_is_named_and_nothing_is_applied(workspace, capsys):
+    break_second_patch(workspace["patches"])
+    code, out = run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])
+    assert code == 1
+    assert "0002-Spec-Decode-Second-change.patch (2/2): vllm/config.py: hunk #1" in out
+
+    target = git.Repo.clone_from(workspace["pristine"], workspace["tmp"] / "target")
+    before = target.head.commit.hexsha
+    code, out = run(capsys, "apply", "--vllm-src", target.working_dir, *workspace["common"])
+    assert code == 1
+    assert "(2/2)" in out
+    assert target.head.commit.hexsha == before
+    assert not target.is_dirty(untracked_files=True)
+    assert (Path(target.working_dir) / "vllm/config.py").read_text() == BASE_FILES["vllm/config.py"]
+
+
+def test_apply_refuses_a_dirty_or_unpinned_checkout(workspace, capsys):
+    target = git.Repo.clone_from(workspace["pristine"], workspace["tmp"] / "target")
+    (Path(target.working_dir) / "README.md").write_text("local edit\n")
+    code, out = run(capsys, "apply", "--vllm-src", target.working_dir, *workspace["common"])
+    assert code == 1 and "uncommitted changes" in out
+
+    other = workspace["tmp"] / "other"
+    other_repo = git.Repo.clone_from(workspace["pristine"], other)
+    (other / "vllm/_version.py").write_text("__version__ = version = '9.8.0'\n")
+    commit_all(other_repo, "older release")
+    code, out = run(capsys, "apply", "--vllm-src", str(other), *workspace["common"])
+    assert code == 1 and f"is not vLLM {VERSION}" in out
+
+
+@pytest.mark.parametrize("mutation, message", [
+    ("unlisted", "0003-extra.patch is not listed in the series"),
+    ("missing", "series lists 0009-gone.patch but there is no such file"),
+    ("duplicate", "series lists 0001-Spec-Decode-First-change.patch more than once"),
+])
+def test_series_mismatches_fail(workspace, capsys, mutation, message):
+    patches = workspace["patches"]
+    series = patches / "series"
+    if mutation == "unlisted":
+        (patches / "0003-extra.patch").write_text("")
+    elif mutation == "missing":
+        series.write_text(series.read_text() + "0009-gone.patch\n")
+    else:
+        series.write_text(series.read_text() + "0001-Spec-Decode-First-change.patch\n")
+    code, out = run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])
+    assert code == 1 and message in out
+
+
+def test_patch_without_header_fields_fails(workspace, capsys):
+    first = workspace["patches"] / "0001-Spec-Decode-First-change.patch"
+    first.write_text(first.read_text().replace("Remove-when: never.\n", ""))
+    code, out = run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])
+    assert code == 1
+    assert "0001-Spec-Decode-First-change.patch (1/2): header is missing Remove-when:" in out
+
+
+def test_export_round_trips_byte_for_byte(workspace, capsys):
+    patches = workspace["patches"]
+    original = {p.name: p.read_bytes() for p in patches.iterdir()}
+    target = git.Repo.clone_from(workspace["pristine"], workspace["tmp"] / "target")
+    assert run(capsys, "apply", "--vllm-src", target.working_dir, *workspace["common"])[0] == 0
+    again = workspace["tmp"] / "again"
+    common = [a if a != str(patches) else str(again) for a in workspace["common"]]
+    assert run(capsys, "export", "--vllm-src", target.working_dir, *common)[0] == 0
+    assert {p.name: p.read_bytes() for p in again.iterdir()} == original
+
+
+def test_check_fails_when_reexport_would_change_a_byte(workspace, capsys):
+    first = workspace["patches"] / "0001-Spec-Decode-First-change.patch"
+    # Still applies (git apply allows the offset) but is no longer canonical.
+    text = first.read_text()
+    assert "@@ -1,7 +1,7 @@" in text
+    first.write_text(text.replace("@@ -1,7 +1,7 @@", "@@ -2,7 +2,7 @@"))
+    code, out = run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])
+    assert code == 1
+    assert "0001-Spec-Decode-First-change.patch (1/2): re-exporting changes the file" in out
+
+
+def test_stale_registry_fails_check(workspace, capsys):
+    registry = workspace["patches"] / "README.md"
+    assert "**Why:** first" in registry.read_text()
+    registry.write_text(registry.read_text() + "hand edit\n")
+    code, out = run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])
+    assert code == 1 and "README.md is out of date" in out
+    assert run(capsys, "registry", *workspace["common"])[0] == 0
+    assert run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])[0] == 0
+
+
+def test_build_overlays_the_binary_wheel(workspace, capsys):
+    out_dir = workspace["tmp"] / "dist"
+    code, out = run(capsys, "build", "--target", "cuda", "--vllm-src", str(workspace["pristine"]),
+                    "--out", str(out_dir), *workspace["common"])
+    assert code == 0, out
+    (wheel,) = out_dir.glob("*.whl")
+    version = wheel.name.split("-")[1]
+    assert version.startswith(f"{VERSION}+tree.2.g")
+    with zipfile.ZipFile(wheel) as built:
+        assert built.testzip() is None
+        assert "line_3 = 'tree'" in built.read("vllm/config.py").decode()
+        assert built.read("vllm/tree.py").startswith(b"# SPDX")
+        assert built.read("vllm/_C.abi3.so") == b"\x7fELF" + bytes(4096)
+        assert f"Version: {version}" in built.read(f"vllm-{version}.dist-info/METADATA").decode()
+        rows = list(csv.reader(io.StringIO(built.read(f"vllm-{version}.dist-info/RECORD").decode())))
+        assert {r[0] for r in rows} == set(built.namelist())
+        for name, digest, size in rows:
+            if digest:
+                data = built.read(name)
+                assert digest == apply.record_hash(data) and int(size) == len(data), name
+    assert not any(n.startswith(f"vllm-{VERSION}.dist-info") for n in zipfile.ZipFile(wheel).namelist())
+
+
+def test_build_refuses_a_file_the_binary_wheel_ships_differently(workspace, capsys):
+    work = git.Repo(workspace["work"])
+    (workspace["work"] / "vllm/binary_differs.py").write_text("A = 3\n")
+    commit_all(work, "[Spec Decode] Third change\n\n" + HEADER.format(why="third"))
+    assert run(capsys, "export", "--vllm-src", str(workspace["work"]), *workspace["common"])[0] == 0
+    code, out = run(capsys, "build", "--target", "cuda", "--vllm-src", str(workspace["pristine"]),
+                    "--out", str(workspace["tmp"] / "dist"), *workspace["common"])
+    assert code == 1
+    assert "vllm/binary_differs.py: the stack changes it" in out
+
+
+@pytest.fixture
+def index(tmp_path: Path):
+    """A package index on loopback serving one artifact through the JSON simple API."""
+    root = tmp_path / "index"
+    (root / "simple" / "vllm").mkdir(parents=True)
+    (root / "files").mkdir()
+    payload = b"pretend sdist"
+    (root / "files" / "vllm-9.9.0.tar.gz").write_bytes(payload)
+    (root / "simple" / "vllm" / "index.html").write_text(json.dumps(
+        {"files": [{"filename": "vllm-9.9.0.tar.gz", "url": "../../files/vllm-9.9.0.tar.gz"}]}
+    ))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/simple", hashlib.sha256(payload).hexdigest()
+    server.shutdown()
+
+
+def test_download_with_the_pinned_hash_is_cached(index, tmp_path):
+    url, digest = index
+    artifact = apply.Artifact("sdist", "vllm", "vllm-9.9.0.tar.gz", digest)
+    path = apply.fetch_artifact(artifact, tmp_path / "cache", url)
+    assert path.read_bytes() == b"pretend sdist"
+
+
+def test_download_with_a_wrong_hash_is_refused(index, tmp_path):
+    url, _ = index
+    artifact = apply.Artifact("sdist", "vllm", "vllm-9.9.0.tar.gz", "0" * 64)
+    with pytest.raises(apply.ToolError, match="refusing vllm-9.9.0.tar.gz: sha256"):
+        apply.fetch_artifact(artifact, tmp_path / "cache", url)
+    assert not any((tmp_path / "cache").iterdir())
+
+
+def test_pin_is_the_one_source_of_the_release():
+    pin = apply.load_pin()
+    assert set(pin.artifacts) == {"sdist", "cuda", "cpu"}
+    for artifact in pin.artifacts.values():
+        assert len(artifact.sha256) == 64 and pin.version in artifact.filename
+    assert "0.32.0" not in (ROOT / "ci" / "test.sh").read_text()
