@@ -35,9 +35,12 @@ in_tree_tests=$(git -C build/vllm-patched diff --name-only --diff-filter=AM "$pi
 if [ -n "$in_tree_tests" ]; then
   step "Running the tests the patches add to vLLM's tree"
   # vLLM's own tests/conftest.py needs test-only packages and a GPU setup; the
-  # stack's tests are written to need no conftest. vllm comes from the wheel.
-  (cd build/vllm-patched && "../../$python" -m pytest -p require_tests --noconftest \
-    --import-mode=importlib -p no:cacheprovider -q $in_tree_tests)
+  # stack's tests are written to need no conftest. vllm must come from the
+  # installed wheel (compiled ops), not the tree: -P keeps the working
+  # directory off sys.path and --import-mode=append puts the tree (for
+  # `tests.*` helpers) after site-packages.
+  (cd build/vllm-patched && "../../$python" -P -m pytest -p require_tests --noconftest \
+    --import-mode=append --rootdir=. -p no:cacheprovider -q $in_tree_tests)
 fi
 
 step "Running the project's tests"

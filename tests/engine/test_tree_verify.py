@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree verify on the real engine: for every tree shape, batch size and
+scheduler situation below, the patched CPU wheel must produce exactly the
+plain-greedy tokens, while the scripted drafter makes the walk accept deep
+paths and sibling rescues (asserted from the engine's own metrics)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from .conftest import make_llm, shutdown, spec_decode_counters
+from .scripted_drafter import DraftScript, ScriptedTreeDrafter
+
+pytestmark = pytest.mark.engine
+
+NUM_PROMPTS = 64
+MAX_TOKENS = 24
+VOCAB_SIZE = 512
+DRAFTER = "tests.engine.scripted_drafter.ScriptedTreeDrafter"
+
+CHAIN_TREE = "[(0,), (0, 0), (0, 0, 0)]"
+# Continuation children under non-spine nodes: (1, 0), (1, 1), (0, 1, 0), ...
+CONTINUATION_TREE = (
+    "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (0, 1, 0), "
+    "(1, 0, 0), (0, 0, 0, 0)]"
+)
+SHAPES = {
+    "chain": {"speculative_token_tree": CHAIN_TREE},
+    "leaf_siblings_k3_w4": {"num_speculative_tokens": 3, "tree_width": 4},
+    "continuations": {"speculative_token_tree": CONTINUATION_TREE},
+}
+
+# Totals over every tree run of this module, checked at the end.
+COVERAGE: Counter = Counter()
+
+
+def make_prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Many prompts are longer than the tiny target's sliding window (16).
+    return [
+        [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(4, 100))]
+        for _ in range(count)
+    ]
+
+
+def generate(llm, prompts, max_tokens: int = MAX_TOKENS, **params) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens,
+                                 "ignore_eos": True, **params})
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gemma4):
+    """Plain greedy decoding of the prompts, and the drafter's script."""
+    target, _ = tiny_gemma4
+    prompts = make_prompts(NUM_PROMPTS, seed=1)
+    llm = make_llm(target)
+    expected = generate(llm, prompts)
+    shutdown(llm)
+    ScriptedTreeDrafter.script = DraftScript(
+        references=[p + e for p, e in zip(prompts, expected)],
+        prompt_lens=[len(p) for p in prompts],
+        vocab_size=VOCAB_SIZE,
+    )
+    return prompts, expected
+
+
+def run_tree(target, shape: dict, prompts, **engine_options):
+    llm = make_llm(target, {"model": DRAFTER, **shape}, **engine_options)
+    try:
+        got = generate(llm, prompts)
+        counters = spec_decode_counters(llm)
+        extra = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"}
+    finally:
+        shutdown(llm)
+    record_coverage(counters)
+    return got, counters, extra
+
+
+def record_coverage(counters: dict) -> None:
+    per_depth = counters["num_accepted_tokens_per_pos"]
+    COVERAGE["accepted"] += counters["num_accepted_tokens"]
+    COVERAGE["rescued"] += sum(counters.get("num_rescued_tokens_per_pos", []))
+    COVERAGE["max_depth"] = max(
+        COVERAGE["max_depth"], max((d + 1 for d, n in enumerate(per_depth) if n), default=0)
+    )
+
+
+def assert_identical(got, expected) -> None:
+    mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+    assert not mismatches, (
+        f"{len(mismatches)} of {len(expected)} prompts differ from plain greedy; "
+        f"first: prompt {mismatches[0]}: {got[mismatches[0]]} != {expected[mismatches[0]]}"
+    )
+    assert len(got) == len(expected)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 32])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tree_is_token_identical_to_plain_greedy(tiny_gemma4, reference, shape, batch_size):
+    prompts, expected = reference
+    got, counters, _ = run_tree(tiny_gemma4[0], SHAPES[shape], prompts, max_num_seqs=batch_size)
+    assert_identical(got, expected)
+    assert counters["num_accepted_tokens"] > 0
+    if shape != "chain":
+        assert sum(counters["num_rescued_tokens_per_pos"]) > 0
+
+
+def test_chain_shaped_tree_accepts_exactly_what_chain_mode_accepts(tiny_gemma4, reference):
+    prompts, expected = reference
+    target = tiny_gemma4[0]
+    tree_tokens, tree_counters, _ = run_tree(target, SHAPES["chain"], prompts)
+    llm = make_llm(target, {"model": DRAFTER, "num_speculative_tokens": 3})
+    try:
+        chain_tokens = generate(llm, prompts)
+        chain_counters = spec_decode_counters(llm)
+    finally:
+        shutdown(llm)
+    assert_identical(chain_tokens, expected)
+    assert_identical(tree_tokens, expected)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                 "num_accepted_tokens_per_pos"):
+        assert tree_counters[name] == chain_counters[name], name
+    assert sum(tree_counters["num_rescued_tokens_per_pos"]) == 0
+
+
+def test_chunked_prefill_mixes_prefill_chunks_with_tree_rows(tiny_gemma4, reference):
+    prompts, expected = reference
+    # A token budget far below the prompt lengths: prompts arrive in chunks in
+    # the same steps as other requests' tree rows, and some steps truncate the
+    # tree to a breadth-first prefix.
+    got, counters, _ = run_tree(
+        tiny_gemma4[0], SHAPES["continuations"], prompts,
+        enable_chunked_prefill=True, max_num_batched_tokens=48,
+    )
+    assert_identical(got, expected)
+    assert sum(counters["num_rescued_tokens_per_pos"]) > 0
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny_gemma4, reference):
+    prompts, expected = reference
+    llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]},
+                   enable_prefix_caching=True, block_size=32)
+    try:
+        first = generate(llm, prompts)
+        # Each finished request's prompt plus 16 of its tokens, again: the
+        # full blocks it left, written by tree steps (with moved accepted-path
+        # KV), are now served from the prefix cache.
+        resumed = generate(llm, [p + e[:16] for p, e in zip(prompts, expected)],
+                           max_tokens=MAX_TOKENS - 16)
+        hits = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}.get(
+            "vllm:prefix_cache_hits"
+        )
+        counters = spec_decode_counters(llm)
+    finally:
+        shutdown(llm)
+    record_coverage(counters)
+    assert_identical(first, expected)
+    assert_identical(resumed, [e[16:] for e in expected])
+    assert hits and hits > 0
+
+
+def test_preemption_and_recompute_give_the_same_tokens(tiny_gemma4, reference):
+    prompts, expected = reference
+    got, counters, extra = run_tree(
+        tiny_gemma4[0], SHAPES["leaf_siblings_k3_w4"], prompts,
+        kv_cache_memory_bytes=1 << 20, block_size=32, max_model_len=160,
+    )
+    assert_identical(got, expected)
+    assert extra.get("vllm:num_preemptions", 0) > 0
+
+
+def test_unsupported_requests_are_refused_and_the_engine_keeps_serving(tiny_gemma4, reference):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    prompts, expected = reference
+    llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]})
+    try:
+        with pytest.raises(Exception, match=r"greedy sampling only \(temperature=0\)"):
+            generate(llm, prompts[:1], temperature=0.8)
+        with pytest.raises(Exception, match="does not support structured outputs"):
+            generate(llm, prompts[:1],
+                     structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+        assert_identical(generate(llm, prompts[:8]), expected[:8])
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.parametrize("shape, field", [
+    ({"speculative_token_tree": "[(1,)]"}, "speculative_token_tree"),
+    ({"speculative_token_tree": "[(0,), (0, 0)]", "num_speculative_tokens": 3},
+     "num_speculative_tokens"),
+    ({"num_speculative_tokens": 9, "tree_width": 4}, "tree_width"),
+])
+def test_bad_tree_config_fails_at_engine_start(tiny_gemma4, shape, field):
+    with pytest.raises(Exception, match=field):
+        make_llm(tiny_gemma4[0], {"model": DRAFTER, **shape})
+
+
+def test_walk_really_accepted_deep_paths_and_rescues():
+    """Identity must not come from rejecting everything: across this module's
+    runs the engine accepted tokens at depth >= 3 and rescued siblings."""
+    if not COVERAGE["accepted"]:
+        pytest.skip("run with the tree tests of this module")
+    print(f"tree coverage: {dict(COVERAGE)}")
+    assert COVERAGE["max_depth"] >= 3
+    assert COVERAGE["rescued"] > 0
