@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Upstream `vllm serve`, unchanged, from the installed patched wheel: a token
+tree in --speculative-config serves concurrent completions that equal the same
+server without speculation, and exports the tree metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from .trained_pair import text_prompts, trained_pair
+
+pytestmark = pytest.mark.engine
+
+NUM_REQUESTS = 32
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`vllm serve` on loopback, shut down with SIGINT like a user would."""
+
+    def __init__(self, model: Path, speculative_config: dict | None, log: Path):
+        self.port = free_port()
+        command = [
+            str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
+        ]
+        if speculative_config:
+            command += ["--speculative-config", json.dumps(speculative_config)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.log = log
+        self.process = subprocess.Popen(command, env=env, stdout=log.open("w"),
+                                         stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited: {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"vllm serve not ready: {self.log.read_text()[-3000:]}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        assert self.process.returncode is not None
+
+
+def complete_concurrently(url: str, model: Path, prompts: list[str]) -> list[str]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+    def complete(prompt: str) -> str:
+        response = client.completions.create(
+            model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        return response.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=NUM_REQUESTS) as pool:
+        return list(pool.map(complete, prompts))
+
+
+def serve_and_complete(model, speculative_config, prompts, log):
+    server = Server(model, speculative_config, log)
+    try:
+        server.wait_ready()
+        texts = complete_concurrently(server.url, model, prompts)
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    return texts, metrics
+
+
+def counter_total(metrics: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def test_vllm_serve_with_a_token_tree(tmp_path):
+    target, assistant = trained_pair()
+    prompts = text_prompts(NUM_REQUESTS)
+    tree_config = {"method": "mtp", "model": str(assistant),
+                   "num_speculative_tokens": 3, "tree_width": 4}
+
+    tree_texts, metrics = serve_and_complete(target, tree_config, prompts,
+                                             tmp_path / "tree.log")
+    plain_texts, _ = serve_and_complete(target, None, prompts, tmp_path / "plain.log")
+
+    assert tree_texts == plain_texts
+    assert all(tree_texts)
+    for name in ("vllm:spec_decode_num_drafts_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 "vllm:spec_decode_num_rescued_tokens_per_pos_total"):
+        assert name in metrics, name
+    assert counter_total(metrics, "vllm:spec_decode_num_drafts_total") > 0
+    assert counter_total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
