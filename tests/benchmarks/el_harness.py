@@ -60,10 +60,10 @@ def humaneval_prompts() -> list[str]:
 
 def stdlib_prompts(count: int) -> list[str]:
     """Snippets from standard library files the target never trained on."""
-    from tests.fixtures.train_tiny_gemma4 import held_out_files
+    from tests.fixtures.train_tiny_gemma4 import split_files
 
     prompts = []
-    for path in held_out_files():
+    for path in split_files()[1]:
         text = Path(path).read_text(errors="ignore")
         for start in range(0, len(text) - 600, 2000):
             prompts.append(text[start : start + 600])
