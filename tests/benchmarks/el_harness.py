@@ -39,7 +39,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.engine.conftest import make_llm, shutdown, spec_decode_counters  # noqa: E402
+from tests.engine.conftest import (  # noqa: E402
+    greedy_generate,
+    make_llm,
+    shutdown,
+    spec_decode_counters,
+)
 
 PAIR = ROOT / "tests" / "fixtures" / "tiny_gemma4_trained"
 CHAIN_DEPTHS = (2, 3, 4)
@@ -124,19 +129,13 @@ class Instruments:
 
 def run(config: dict | None, prompts: list[list[int]], max_tokens: int,
         instruments: Instruments) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     llm = make_llm(PAIR / "target", config, max_num_seqs=1, max_model_len=1024)
     instruments.reset()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                           use_tqdm=False)
+    tokens = greedy_generate(llm, prompts, max_tokens)
     wall = time.perf_counter() - started
     counters = spec_decode_counters(llm) if config else {}
     shutdown(llm)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
     generated = sum(len(t) for t in tokens)
     # Batch 1: one target forward per prefill and per decode step.
     decode_forwards = instruments.forwards - len(prompts)

@@ -45,6 +45,19 @@ def make_llm(model: Path, speculative_config: dict | None = None, **overrides):
     return LLM(**options)
 
 
+def greedy_generate(llm, prompts: list, max_tokens: int, **params) -> list[list[int]]:
+    """Greedy token ids per prompt; a prompt is text or a list of token ids."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(
+        **{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **params}
+    )
+    inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = llm.generate(inputs, sampling, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import make_llm, shutdown, spec_decode_counters
+from .conftest import greedy_generate, make_llm, shutdown, spec_decode_counters
 from .trained_pair import text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
@@ -17,10 +17,7 @@ MAX_TOKENS = 32
 
 
 def generate(llm, prompts: list[str]) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return greedy_generate(llm, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

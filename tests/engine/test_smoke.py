@@ -8,27 +8,22 @@ import random
 
 import pytest
 
-from .conftest import make_llm, shutdown, spec_decode_counters
+from .conftest import greedy_generate, make_llm, shutdown, spec_decode_counters
 
 pytestmark = pytest.mark.engine
 
 
-def random_prompts(count: int, vocab_size: int, seed: int = 0):
-    from vllm.inputs import TokensPrompt
-
+def random_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     # Lengths straddle the sliding window (16) of the tiny target.
     return [
-        TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab_size) for _ in range(rng.randrange(4, 48))])
+        [rng.randrange(3, vocab_size) for _ in range(rng.randrange(4, 48))]
         for _ in range(count)
     ]
 
 
-def generate(llm, prompts, max_tokens: int = 32) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+def generate(llm, prompts) -> list[list[int]]:
+    return greedy_generate(llm, prompts, max_tokens=32)
 
 
 def test_patched_wheel_is_installed():

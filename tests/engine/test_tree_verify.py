@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from .conftest import make_llm, shutdown, spec_decode_counters
+from .conftest import greedy_generate, make_llm, shutdown, spec_decode_counters
 from .scripted_drafter import DraftScript, ScriptedTreeDrafter
 
 pytestmark = pytest.mark.engine
@@ -47,14 +47,7 @@ def make_prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def generate(llm, prompts, max_tokens: int = MAX_TOKENS, **params) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sampling = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens,
-                                 "ignore_eos": True, **params})
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
-                           use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_generate(llm, prompts, max_tokens, **params)
 
 
 @pytest.fixture(scope="module")
