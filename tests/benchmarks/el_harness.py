@@ -281,8 +281,7 @@ def render_markdown(summary: dict) -> str:
         for name, r in results.items():
             if name == "plain":
                 continue
-            per_depth = " / ".join(f"{100 * a:.1f}%" for a in r["acceptance_per_depth"]
-                                   if a or name.startswith("chain"))
+            per_depth = " / ".join(f"{100 * a:.1f}%" for a in r["acceptance_per_depth"])
             rescue = " / ".join(f"r{rank}: {100 * v:.1f}%"
                                 for rank, v in r.get("rescue_rate_by_rank", {}).items())
             ratio = lambda key: (f"{r[key + '_ratio_vs_chain']:.3f}"  # noqa: E731
