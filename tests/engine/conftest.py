@@ -15,6 +15,7 @@ import pytest
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from .identity import GreedyReference, StepTop2  # noqa: E402
 from .tiny_gemma4 import build_tiny_pair  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +46,7 @@ def make_llm(model: Path, speculative_config: dict | None = None, **overrides):
     return LLM(**options)
 
 
-def greedy_generate(llm, prompts: list, max_tokens: int, **params) -> list[list[int]]:
-    """Greedy token ids per prompt; a prompt is text or a list of token ids."""
+def _greedy_outputs(llm, prompts: list, max_tokens: int, **params):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -54,8 +54,22 @@ def greedy_generate(llm, prompts: list, max_tokens: int, **params) -> list[list[
         **{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **params}
     )
     inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in prompts]
-    outputs = llm.generate(inputs, sampling, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [o.outputs[0] for o in llm.generate(inputs, sampling, use_tqdm=False)]
+
+
+def greedy_generate(llm, prompts: list, max_tokens: int, **params) -> list[list[int]]:
+    """Greedy token ids per prompt; a prompt is text or a list of token ids."""
+    return [list(o.token_ids) for o in _greedy_outputs(llm, prompts, max_tokens, **params)]
+
+
+def plain_greedy_reference(llm, prompts: list, max_tokens: int, **params) -> GreedyReference:
+    """Greedy tokens per prompt with plain decoding's top-2 logprobs at every
+    step, the reference of the tie-aware identity check (identity.py)."""
+    outputs = _greedy_outputs(llm, prompts, max_tokens, logprobs=2, **params)
+    return GreedyReference(
+        tokens=[list(o.token_ids) for o in outputs],
+        top2=[[StepTop2.from_logprobs(step) for step in o.logprobs] for o in outputs],
+    )
 
 
 def shutdown(llm) -> None:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Upstream `vllm serve`, unchanged, from the installed patched wheel: a token
 tree in --speculative-config serves concurrent completions that equal the same
-server without speculation, and exports the tree metrics."""
+server without speculation (tie-aware, tests/engine/identity.py: the plain
+server's own top-2 logprobs decide a tie), and exports the tree metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from .identity import GreedyReference, StepTop2, assert_greedy_identical
 from .trained_pair import text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
@@ -83,31 +85,57 @@ class Server:
         assert self.process.returncode is not None
 
 
-def complete_concurrently(url: str, model: Path, prompts: list[str]) -> list[str]:
+def complete_concurrently(
+    url: str, model: Path, prompts: list[str], logprobs: int | None = None
+) -> list:
+    """One completion choice per prompt, all requests in flight at once, with
+    the generated token ids (and top logprobs keyed by token id if asked)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
 
-    def complete(prompt: str) -> str:
+    def complete(prompt: str):
         response = client.completions.create(
             model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-            extra_body={"ignore_eos": True},
+            logprobs=logprobs,
+            extra_body={"ignore_eos": True, "return_token_ids": True,
+                        "return_tokens_as_token_ids": True},
         )
-        return response.choices[0].text
+        return response.choices[0]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=NUM_REQUESTS) as pool:
         return list(pool.map(complete, prompts))
 
 
-def serve_and_complete(model, speculative_config, prompts, log):
+def serve_and_complete(model, speculative_config, prompts, log, logprobs=None):
     server = Server(model, speculative_config, log)
     try:
         server.wait_ready()
-        texts = complete_concurrently(server.url, model, prompts)
+        choices = complete_concurrently(server.url, model, prompts, logprobs)
         metrics = server.metrics()
     finally:
         server.stop()
-    return texts, metrics
+    return choices, metrics
+
+
+def token_ids(choice) -> list[int]:
+    return list(choice.token_ids)
+
+
+def plain_reference(choices) -> GreedyReference:
+    """The plain server's tokens and top-2 logprobs ("token_id:N" keys)."""
+    return GreedyReference(
+        tokens=[token_ids(c) for c in choices],
+        top2=[
+            [
+                StepTop2.from_logprobs(
+                    {int(k.removeprefix("token_id:")): v for k, v in step.items()}
+                )
+                for step in c.logprobs.top_logprobs
+            ]
+            for c in choices
+        ],
+    )
 
 
 def counter_total(metrics: str, name: str) -> float:
@@ -124,12 +152,14 @@ def test_vllm_serve_with_a_token_tree(tmp_path):
     tree_config = {"method": "mtp", "model": str(assistant),
                    "num_speculative_tokens": 3, "tree_width": 4}
 
-    tree_texts, metrics = serve_and_complete(target, tree_config, prompts,
-                                             tmp_path / "tree.log")
-    plain_texts, _ = serve_and_complete(target, None, prompts, tmp_path / "plain.log")
+    tree_choices, metrics = serve_and_complete(target, tree_config, prompts,
+                                               tmp_path / "tree.log")
+    plain_choices, _ = serve_and_complete(target, None, prompts, tmp_path / "plain.log",
+                                          logprobs=2)
 
-    assert tree_texts == plain_texts
-    assert all(tree_texts)
+    assert all(c.text for c in tree_choices)
+    assert_greedy_identical([token_ids(c) for c in tree_choices],
+                            plain_reference(plain_choices), "vllm serve, MTP tree K=3 W=4")
     for name in ("vllm:spec_decode_num_drafts_total",
                  "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                  "vllm:spec_decode_num_rescued_tokens_per_pos_total"):

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The rig itself: the patched CPU wheel serves tiny Gemma 4 greedily, and the
-upstream MTP chain drafter leaves every token unchanged."""
+upstream MTP chain drafter leaves every token unchanged (tie-aware,
+tests/engine/identity.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import random
 
 import pytest
 
-from .conftest import greedy_generate, make_llm, shutdown, spec_decode_counters
+from .conftest import (
+    greedy_generate,
+    make_llm,
+    plain_greedy_reference,
+    shutdown,
+    spec_decode_counters,
+)
+from .identity import assert_greedy_identical
 
 pytestmark = pytest.mark.engine
 
@@ -37,7 +45,7 @@ def test_mtp_chain_drafter_is_token_identical_to_plain_greedy(tiny_gemma4):
     prompts = random_prompts(16, vocab_size=512)
 
     plain = make_llm(target)
-    expected = generate(plain, prompts)
+    expected = plain_greedy_reference(plain, prompts, max_tokens=32)
     shutdown(plain)
 
     spec = make_llm(target, {"method": "mtp", "model": str(assistant), "num_speculative_tokens": 2})
@@ -45,7 +53,7 @@ def test_mtp_chain_drafter_is_token_identical_to_plain_greedy(tiny_gemma4):
     counters = spec_decode_counters(spec)
     shutdown(spec)
 
-    assert got == expected
+    assert_greedy_identical(got, expected, "MTP chain K=2 (random pair)")
     assert all(len(tokens) == 32 for tokens in got)
     # The drafter really ran: every decode step after the first was a draft.
     assert counters["num_drafts"] > 0

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tree verify on the real engine: for every tree shape, batch size and
-scheduler situation below, the patched CPU wheel must produce exactly the
-plain-greedy tokens, while the scripted drafter makes the walk accept deep
-paths and sibling rescues (asserted from the engine's own metrics)."""
+scheduler situation below, the patched CPU wheel must produce the plain-greedy
+tokens (tie-aware, tests/engine/identity.py), while the scripted drafter makes
+the walk accept deep paths and sibling rescues (asserted from the engine's own
+metrics). A deliberately wrong verify must fail the same check."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from collections import Counter
 
 import pytest
 
-from .conftest import greedy_generate, make_llm, shutdown, spec_decode_counters
+from .conftest import (
+    greedy_generate,
+    make_llm,
+    plain_greedy_reference,
+    shutdown,
+    spec_decode_counters,
+)
+from .identity import TIE_MARGIN_NATS, assert_greedy_identical, compare_with_plain_greedy
 from .scripted_drafter import DraftScript, ScriptedTreeDrafter
 
 pytestmark = pytest.mark.engine
@@ -52,14 +60,15 @@ def generate(llm, prompts, max_tokens: int = MAX_TOKENS, **params) -> list[list[
 
 @pytest.fixture(scope="module")
 def reference(tiny_gemma4):
-    """Plain greedy decoding of the prompts, and the drafter's script."""
+    """Plain greedy decoding of the prompts (with its top-2 logprobs), and
+    the drafter's script."""
     target, _ = tiny_gemma4
     prompts = make_prompts(NUM_PROMPTS, seed=1)
     llm = make_llm(target)
-    expected = generate(llm, prompts)
+    expected = plain_greedy_reference(llm, prompts, MAX_TOKENS)
     shutdown(llm)
     ScriptedTreeDrafter.script = DraftScript(
-        references=[p + e for p, e in zip(prompts, expected)],
+        references=[p + e for p, e in zip(prompts, expected.tokens)],
         prompt_lens=[len(p) for p in prompts],
         vocab_size=VOCAB_SIZE,
     )
@@ -87,21 +96,12 @@ def record_coverage(counters: dict) -> None:
     )
 
 
-def assert_identical(got, expected) -> None:
-    mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-    assert not mismatches, (
-        f"{len(mismatches)} of {len(expected)} prompts differ from plain greedy; "
-        f"first: prompt {mismatches[0]}: {got[mismatches[0]]} != {expected[mismatches[0]]}"
-    )
-    assert len(got) == len(expected)
-
-
 @pytest.mark.parametrize("batch_size", [1, 8, 32])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tree_is_token_identical_to_plain_greedy(tiny_gemma4, reference, shape, batch_size):
     prompts, expected = reference
     got, counters, _ = run_tree(tiny_gemma4[0], SHAPES[shape], prompts, max_num_seqs=batch_size)
-    assert_identical(got, expected)
+    assert_greedy_identical(got, expected)
     assert counters["num_accepted_tokens"] > 0
     if shape != "chain":
         assert sum(counters["num_rescued_tokens_per_pos"]) > 0
@@ -117,11 +117,16 @@ def test_chain_shaped_tree_accepts_exactly_what_chain_mode_accepts(tiny_gemma4, 
         chain_counters = spec_decode_counters(llm)
     finally:
         shutdown(llm)
-    assert_identical(chain_tokens, expected)
-    assert_identical(tree_tokens, expected)
-    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                 "num_accepted_tokens_per_pos"):
-        assert tree_counters[name] == chain_counters[name], name
+    assert_greedy_identical(chain_tokens, expected, "chain mode")
+    assert_greedy_identical(tree_tokens, expected, "chain-shaped tree")
+    # The scripted drafter drafts from the context alone, so equal outputs
+    # mean equal drafts at every step: the walk must then count exactly what
+    # chain acceptance counts. (Outputs can only differ by a tie flip in one
+    # of the runs, allowed above; then the two runs drafted different tokens.)
+    if tree_tokens == chain_tokens:
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                     "num_accepted_tokens_per_pos"):
+            assert tree_counters[name] == chain_counters[name], name
     assert sum(tree_counters["num_rescued_tokens_per_pos"]) == 0
 
 
@@ -134,7 +139,7 @@ def test_chunked_prefill_mixes_prefill_chunks_with_tree_rows(tiny_gemma4, refere
         tiny_gemma4[0], SHAPES["continuations"], prompts,
         enable_chunked_prefill=True, max_num_batched_tokens=48,
     )
-    assert_identical(got, expected)
+    assert_greedy_identical(got, expected)
     assert sum(counters["num_rescued_tokens_per_pos"]) > 0
 
 
@@ -147,7 +152,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_gemma4, reference):
         # Each finished request's prompt plus 16 of its tokens, again: the
         # full blocks it left, written by tree steps (with moved accepted-path
         # KV), are now served from the prefix cache.
-        resumed = generate(llm, [p + e[:16] for p, e in zip(prompts, expected)],
+        resumed = generate(llm, [p + e[:16] for p, e in zip(prompts, expected.tokens)],
                            max_tokens=MAX_TOKENS - 16)
         hits = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}.get(
             "vllm:prefix_cache_hits"
@@ -156,8 +161,8 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_gemma4, reference):
     finally:
         shutdown(llm)
     record_coverage(counters)
-    assert_identical(first, expected)
-    assert_identical(resumed, [e[16:] for e in expected])
+    assert_greedy_identical(first, expected)
+    assert_greedy_identical(resumed, expected.suffix(16), "resumed from the prefix cache")
     assert hits and hits > 0
 
 
@@ -167,7 +172,7 @@ def test_preemption_and_recompute_give_the_same_tokens(tiny_gemma4, reference):
         tiny_gemma4[0], SHAPES["leaf_siblings_k3_w4"], prompts,
         kv_cache_memory_bytes=1 << 20, block_size=32, max_model_len=160,
     )
-    assert_identical(got, expected)
+    assert_greedy_identical(got, expected)
     assert extra.get("vllm:num_preemptions", 0) > 0
 
 
@@ -182,7 +187,7 @@ def test_unsupported_requests_are_refused_and_the_engine_keeps_serving(tiny_gemm
         with pytest.raises(Exception, match="does not support structured outputs"):
             generate(llm, prompts[:1],
                      structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
-        assert_identical(generate(llm, prompts[:8]), expected[:8])
+        assert_greedy_identical(generate(llm, prompts[:8]), expected[:8])
     finally:
         shutdown(llm)
 
@@ -196,6 +201,40 @@ def test_unsupported_requests_are_refused_and_the_engine_keeps_serving(tiny_gemm
 def test_bad_tree_config_fails_at_engine_start(tiny_gemma4, shape, field):
     with pytest.raises(Exception, match=field):
         make_llm(tiny_gemma4[0], {"model": DRAFTER, **shape})
+
+
+def test_identity_check_fails_a_verify_with_flat_positions(
+    tiny_gemma4, reference, monkeypatch
+):
+    """Negative control: the same runs with the tree's position offsets made
+    flat (node t at root + t + 1 instead of root + depth, so the sliding
+    window is measured from the flat index, as in SGLang #39160) must fail
+    the tie-aware check with margins far above the tie tolerance."""
+    import torch
+    from vllm.v1.spec_decode.tree import SpecTokenTree
+
+    prompts, expected = reference
+    build_tree = SpecTokenTree.__init__
+
+    def build_tree_with_flat_positions(tree, *args, **kwargs):
+        build_tree(tree, *args, **kwargs)
+        tree.position_offsets = torch.arange(
+            tree.num_nodes + 1, device=tree.position_offsets.device
+        )
+
+    monkeypatch.setattr(SpecTokenTree, "__init__", build_tree_with_flat_positions)
+    llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]})
+    try:
+        got = generate(llm, prompts)
+    finally:
+        shutdown(llm)
+    report = compare_with_plain_greedy(
+        got, expected, "negative control: flat positions (must fail)"
+    )
+    print(report.failure_message())
+    assert not report.ok
+    assert len(report.mismatches) >= 3
+    assert min(d.margin for d in report.mismatches) > 100 * TIE_MARGIN_NATS
 
 
 def test_walk_really_accepted_deep_paths_and_rescues():
