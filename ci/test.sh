@@ -39,7 +39,9 @@ if [ -n "$in_tree_tests" ]; then
   # installed wheel (compiled ops), not the tree: -P keeps the working
   # directory off sys.path and --import-mode=append puts the tree (for
   # `tests.*` helpers) after site-packages.
-  (cd build/vllm-patched && "../../$python" -P -m pytest -p require_tests --noconftest \
+  # The tree holds vllm.egg-info (version without "+cpu"): once pytest puts
+  # the tree on sys.path, vLLM would no longer detect the CPU build.
+  (cd build/vllm-patched && VLLM_TARGET_DEVICE=cpu "../../$python" -P -m pytest -p require_tests --noconftest \
     --import-mode=append --rootdir=. -p no:cacheprovider -q $in_tree_tests)
 fi
 
