@@ -14,7 +14,6 @@ batching, so two engines given the same script see the same drafts.
 
 from __future__ import annotations
 
-import ast
 import random
 import zlib
 from dataclasses import dataclass, field
@@ -47,8 +46,8 @@ class ScriptedTreeDrafter:
         assert ScriptedTreeDrafter.script is not None, "set ScriptedTreeDrafter.script"
         self.script = ScriptedTreeDrafter.script
         spec = vllm_config.speculative_config
-        if spec.speculative_token_tree is not None:
-            self.paths = [tuple(p) for p in ast.literal_eval(spec.speculative_token_tree)]
+        if spec.token_tree is not None:
+            self.paths = list(spec.token_tree)
         else:
             self.paths = [(0,) * depth for depth in range(1, spec.num_speculative_tokens + 1)]
         self.index = {path: node for node, path in enumerate(self.paths)}

@@ -192,24 +192,33 @@ def test_unsupported_requests_are_refused_and_the_engine_keeps_serving(tiny_gemm
         shutdown(llm)
 
 
-@pytest.mark.parametrize("shape, field", [
-    ({"speculative_token_tree": "[(1,)]"}, "speculative_token_tree"),
-    ({"speculative_token_tree": "[(0,), (0, 0)]", "num_speculative_tokens": 3},
-     "num_speculative_tokens"),
-    ({"num_speculative_tokens": 9, "tree_width": 4}, "tree_width"),
-])
-def test_bad_tree_config_fails_at_engine_start(tiny_gemma4, shape, field):
-    with pytest.raises(Exception, match=field):
-        make_llm(tiny_gemma4[0], {"model": DRAFTER, **shape})
+@pytest.mark.parametrize("speculative, engine_options, match", [
+    ({"model": DRAFTER, "speculative_token_tree": "[(1,)]"}, {},
+     "speculative_token_tree"),
+    ({"model": DRAFTER, "speculative_token_tree": "[(0,), (0, 0)]",
+      "num_speculative_tokens": 3}, {}, "num_speculative_tokens"),
+    ({"model": DRAFTER, "num_speculative_tokens": 9, "tree_width": 4}, {}, "tree_width"),
+    # A drafter whose drafts are chains.
+    ({"method": "ngram", "prompt_lookup_max": 3, "num_speculative_tokens": 2,
+      "tree_width": 2}, {}, "method='ngram'"),
+    # The accepted-path KV commit runs on the sampling rank only.
+    ({"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]},
+     {"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+], ids=["bad-tree", "node-count", "too-many-nodes", "chain-drafter", "pipeline-parallel"])
+def test_bad_tree_config_fails_at_engine_start(tiny_gemma4, speculative, engine_options,
+                                                match):
+    with pytest.raises(Exception, match=match):
+        make_llm(tiny_gemma4[0], speculative, **engine_options)
 
 
 def test_identity_check_fails_a_verify_with_flat_positions(
     tiny_gemma4, reference, monkeypatch
 ):
-    """Negative control: the same runs with the tree's position offsets made
-    flat (node t at root + t + 1 instead of root + depth, so the sliding
-    window is measured from the flat index, as in SGLang #39160) must fail
-    the tie-aware check with margins far above the tie tolerance."""
+    """Negative control: the tree's device position offsets, which the CPU
+    tree attention measures sliding windows from, made flat (node t at
+    root + t + 1 instead of root + depth: the window measured from the flat
+    index, as in SGLang #39160) must fail the tie-aware check, with margins
+    far above the tie tolerance."""
     import torch
     from vllm.v1.spec_decode.tree import SpecTokenTree
 
