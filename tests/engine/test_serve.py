@@ -2,7 +2,8 @@
 """Upstream `vllm serve`, unchanged, from the installed patched wheel: a token
 tree in --speculative-config serves concurrent completions that equal the same
 server without speculation (tie-aware, tests/engine/identity.py: the plain
-server's own top-2 logprobs decide a tie), and exports the tree metrics."""
+server's own top-2 logprobs decide a tie), serves ordinary sampled, structured
+and penalized requests beside them, and exports the tree metrics."""
 
 from __future__ import annotations
 
@@ -107,15 +108,57 @@ def complete_concurrently(
         return list(pool.map(complete, prompts))
 
 
-def serve_and_complete(model, speculative_config, prompts, log, logprobs=None):
+# Ordinary client requests beside the greedy ones: (name, create() arguments).
+ORDINARY_REQUESTS = [
+    # The server applies temperature 1.0 when the client leaves it out.
+    ("default sampling", {}),
+    ("Gemma 4 defaults", {"temperature": 1.0, "top_p": 0.95,
+                          "extra_body": {"top_k": 64}}),
+    ("JSON schema", {"temperature": 0.0, "extra_body": {"structured_outputs": {
+        "json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                 "required": ["a"]}}}}),
+    ("penalties", {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
+]
+# Of those, the ones a tree cannot verify: decoded without drafts.
+NUM_FALLBACK_REQUESTS = 2
+
+
+def complete_ordinary(url: str, model: Path, prompt: str) -> dict[str, int]:
+    """HTTP status of each ordinary request, sent concurrently."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300,
+                           max_retries=0)
+
+    def complete(arguments: dict) -> int:
+        try:
+            client.completions.with_raw_response.create(
+                model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, **arguments
+            )
+            return 200
+        except openai.APIStatusError as error:
+            return error.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(ORDINARY_REQUESTS)) as pool:
+        statuses = pool.map(complete, [arguments for _, arguments in ORDINARY_REQUESTS])
+        return {name: status for (name, _), status in zip(ORDINARY_REQUESTS, statuses)}
+
+
+def serve_and_complete(model, speculative_config, prompts, log, logprobs=None,
+                       ordinary_prompt=None):
     server = Server(model, speculative_config, log)
     try:
         server.wait_ready()
-        choices = complete_concurrently(server.url, model, prompts, logprobs)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            greedy = pool.submit(complete_concurrently, server.url, model, prompts, logprobs)
+            ordinary = (pool.submit(complete_ordinary, server.url, model, ordinary_prompt)
+                        if ordinary_prompt else None)
+            choices = greedy.result()
+            statuses = ordinary.result() if ordinary else {}
         metrics = server.metrics()
     finally:
         server.stop()
-    return choices, metrics
+    return choices, metrics, statuses
 
 
 def token_ids(choice) -> list[int]:
@@ -152,11 +195,17 @@ def test_vllm_serve_with_a_token_tree(tmp_path):
     tree_config = {"method": "mtp", "model": str(assistant),
                    "num_speculative_tokens": 3, "tree_width": 4}
 
-    tree_choices, metrics = serve_and_complete(target, tree_config, prompts,
-                                               tmp_path / "tree.log")
-    plain_choices, _ = serve_and_complete(target, None, prompts, tmp_path / "plain.log",
-                                          logprobs=2)
+    tree_choices, metrics, statuses = serve_and_complete(
+        target, tree_config, prompts, tmp_path / "tree.log", ordinary_prompt=prompts[0]
+    )
+    plain_choices, _, _ = serve_and_complete(target, None, prompts,
+                                             tmp_path / "plain.log", logprobs=2)
 
+    # Every ordinary request is served, concurrently with the greedy ones.
+    assert statuses == {name: 200 for name, _ in ORDINARY_REQUESTS}
+    assert counter_total(metrics, "vllm:spec_decode_num_tree_fallback_requests_total") == (
+        NUM_FALLBACK_REQUESTS
+    )
     assert all(c.text for c in tree_choices)
     assert_greedy_identical([token_ids(c) for c in tree_choices],
                             plain_reference(plain_choices), "vllm serve, MTP tree K=3 W=4")

@@ -176,20 +176,39 @@ def test_preemption_and_recompute_give_the_same_tokens(tiny_gemma4, reference):
     assert extra.get("vllm:num_preemptions", 0) > 0
 
 
-def test_unsupported_requests_are_refused_and_the_engine_keeps_serving(tiny_gemma4, reference):
+def test_requests_a_tree_cannot_verify_are_decoded_without_drafts(tiny_gemma4, reference):
+    """Penalties and structured outputs fall back to zero drafts (a plain
+    decode inside the same batches), counted by
+    vllm:spec_decode_num_tree_fallback_requests; what upstream refuses for
+    every drafter stays refused."""
     from vllm.sampling_params import StructuredOutputsParams
 
     prompts, expected = reference
+    penalized = {"repetition_penalty": 1.3}
+    plain = make_llm(tiny_gemma4[0])
+    try:
+        penalized_expected = plain_greedy_reference(plain, prompts[:8], MAX_TOKENS,
+                                                    **penalized)
+    finally:
+        shutdown(plain)
+
     llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]})
     try:
-        with pytest.raises(Exception, match=r"greedy sampling only \(temperature=0\)"):
-            generate(llm, prompts[:1], temperature=0.8)
-        with pytest.raises(Exception, match="does not support structured outputs"):
-            generate(llm, prompts[:1],
-                     structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
-        assert_greedy_identical(generate(llm, prompts[:8]), expected[:8])
+        with pytest.raises(Exception, match="min_p and logit_bias"):
+            generate(llm, prompts[:1], temperature=0.8, min_p=0.1)
+        (digits,) = generate(llm, prompts[:1],
+                             structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+        penalized_got = generate(llm, prompts[:8], **penalized)
+        greedy_got = generate(llm, prompts[:8])
+        fallbacks = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}.get(
+            "vllm:spec_decode_num_tree_fallback_requests"
+        )
     finally:
         shutdown(llm)
+    assert digits and len(digits) <= MAX_TOKENS
+    assert_greedy_identical(penalized_got, penalized_expected, "repetition_penalty fallback")
+    assert_greedy_identical(greedy_got, expected[:8])
+    assert fallbacks == 1 + 8
 
 
 @pytest.mark.parametrize("speculative, engine_options, match", [

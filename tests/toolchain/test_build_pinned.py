@@ -28,11 +28,11 @@ def test_build_overlays_the_stack_on_the_pinned_wheel(target, tmp_path, capsys):
     repo = apply.open_repo(apply.DEFAULT_SRC)
     base = repo.commit(pin.tag).hexsha
     tip = apply.replay_stack(repo, base, patches)
-    changes = apply.stack_changes(repo, base, tip)
     version = apply.stack_version(pin, patches)
 
     (wheel,) = tmp_path.glob("*.whl")
     binary = apply.DEFAULT_CACHE / pin.artifacts[target].filename
+    changes = apply.wheel_changes(repo, base, tip, binary)
     dist = binary.name.split("-")[0]
     assert wheel.name == binary.name.replace(f"-{pin.version}-", f"-{version}-")
     assert "+tree." in version
