@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Two-sample test that speculative sampling keeps plain decoding's
-distribution: seeded samples of the first tokens from a plain engine and from
-a speculative one, compared cell by cell (the joint of the first tokens) with
-a chi-square test of homogeneity."""
+"""Tests that speculative sampling keeps plain decoding's distribution:
+seeded samples of the first tokens (their joint, cell by cell) compared with a
+plain engine's samples (chi-square test of homogeneity) or with exact
+probabilities (chi-square goodness of fit)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ class Homogeneity:
 def homogeneity_test(first: Counter, second: Counter) -> Homogeneity:
     """Chi-square test that two samples of outcomes come from one
     distribution, and the total-variation distance of their frequencies."""
-    import torch
-
     n1, n2 = sum(first.values()), sum(second.values())
     cells = sorted(set(first) | set(second), key=lambda c: -(first[c] + second[c]))
     total_variation = 0.5 * sum(abs(first[c] / n1 - second[c] / n2) for c in cells)
@@ -54,10 +52,57 @@ def homogeneity_test(first: Counter, second: Counter) -> Homogeneity:
             expected = pooled * n / (n1 + n2)
             statistic += (observed - expected) ** 2 / expected
     dof = max(len(table) - 1, 1)
-    p_value = float(
+    return Homogeneity(statistic, dof, chi2_sf(statistic, dof), total_variation,
+                       len(table))
+
+
+@dataclass(frozen=True)
+class GoodnessOfFit:
+    statistic: float
+    dof: int
+    p_value: float
+    total_variation: float
+    num_cells: int
+    # Observed outcomes that have probability 0.
+    outside_support: int
+
+    def __str__(self) -> str:
+        return (
+            f"chi2 {self.statistic:.1f} (dof {self.dof}, {self.num_cells} cells), "
+            f"p = {self.p_value:.3g}, total variation {self.total_variation:.3f}, "
+            f"{self.outside_support} samples outside the support"
+        )
+
+
+def goodness_of_fit(observed: Counter, probabilities: dict) -> GoodnessOfFit:
+    """Chi-square test of a sample against exact outcome probabilities."""
+    n = sum(observed.values())
+    outside = sum(c for outcome, c in observed.items() if outcome not in probabilities)
+    total_variation = 0.5 * (
+        sum(abs(observed[o] / n - p) for o, p in probabilities.items()) + outside / n
+    )
+    table: list[tuple[int, float]] = []
+    merged_observed, merged_expected = 0, 0.0
+    for outcome, p in sorted(probabilities.items(), key=lambda item: -item[1]):
+        if n * p < MIN_EXPECTED_COUNT:
+            merged_observed += observed[outcome]
+            merged_expected += n * p
+        else:
+            table.append((observed[outcome], n * p))
+    if merged_expected > 0:
+        table.append((merged_observed, merged_expected))
+    statistic = sum((o - e) ** 2 / e for o, e in table)
+    dof = max(len(table) - 1, 1)
+    return GoodnessOfFit(statistic, dof, chi2_sf(statistic, dof), total_variation,
+                         len(table), outside)
+
+
+def chi2_sf(statistic: float, dof: int) -> float:
+    import torch
+
+    return float(
         torch.special.gammaincc(
             torch.tensor(dof / 2, dtype=torch.float64),
             torch.tensor(statistic / 2, dtype=torch.float64),
         )
     )
-    return Homogeneity(statistic, dof, p_value, total_variation, len(table))
