@@ -177,38 +177,41 @@ def test_preemption_and_recompute_give_the_same_tokens(tiny_gemma4, reference):
 
 
 def test_requests_a_tree_cannot_verify_are_decoded_without_drafts(tiny_gemma4, reference):
-    """Penalties and structured outputs fall back to zero drafts (a plain
-    decode inside the same batches), counted by
-    vllm:spec_decode_num_tree_fallback_requests; what upstream refuses for
-    every drafter stays refused."""
+    """Penalties, logit_bias, min_p and structured outputs fall back to zero
+    drafts (a plain decode inside the same batches), counted by
+    vllm:spec_decode_num_tree_fallback_requests, and decode as plain decoding
+    with the same parameters does."""
     from vllm.sampling_params import StructuredOutputsParams
 
     prompts, expected = reference
     penalized = {"repetition_penalty": 1.3}
+    biased = {"logit_bias": {100: 3.0, 200: 2.0}}
     plain = make_llm(tiny_gemma4[0])
     try:
         penalized_expected = plain_greedy_reference(plain, prompts[:8], MAX_TOKENS,
                                                     **penalized)
+        biased_expected = plain_greedy_reference(plain, prompts[8:12], MAX_TOKENS, **biased)
     finally:
         shutdown(plain)
 
     llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]})
     try:
-        with pytest.raises(Exception, match="min_p and logit_bias"):
-            generate(llm, prompts[:1], temperature=0.8, min_p=0.1)
         (digits,) = generate(llm, prompts[:1],
                              structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+        (min_p_sample,) = generate(llm, prompts[:1], temperature=0.8, min_p=0.1)
         penalized_got = generate(llm, prompts[:8], **penalized)
+        biased_got = generate(llm, prompts[8:12], **biased)
         greedy_got = generate(llm, prompts[:8])
         fallbacks = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}.get(
             "vllm:spec_decode_num_tree_fallback_requests"
         )
     finally:
         shutdown(llm)
-    assert digits and len(digits) <= MAX_TOKENS
+    assert digits and len(min_p_sample) == MAX_TOKENS
     assert_greedy_identical(penalized_got, penalized_expected, "repetition_penalty fallback")
+    assert_greedy_identical(biased_got, biased_expected, "logit_bias fallback")
     assert_greedy_identical(greedy_got, expected[:8])
-    assert fallbacks == 1 + 8
+    assert fallbacks == 1 + 1 + 8 + 4
 
 
 @pytest.mark.parametrize("speculative, engine_options, match", [
