@@ -78,6 +78,17 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
+def accepted_tokens_per_node(llm) -> dict[tuple[int, ...], int]:
+    """vllm:spec_decode_num_accepted_tokens_per_node, by the node's path."""
+    import ast
+
+    return {
+        ast.literal_eval(metric.labels["path"]): int(metric.value)
+        for metric in llm.get_metrics()
+        if metric.name == "vllm:spec_decode_num_accepted_tokens_per_node"
+    }
+
+
 def spec_decode_counters(llm) -> dict[str, float | list]:
     """vllm:spec_decode_* metrics of this engine, by name without the prefix."""
     counters = {}

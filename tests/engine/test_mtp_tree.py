@@ -1,14 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gemma 4 MTP drafting leaf-sibling trees on the trained tiny pair: the
-assistant's centroid head drafts the spine and its runner-ups, the engine
-stays token-identical to plain greedy (tie-aware, tests/engine/identity.py),
-and siblings really rescue tokens."""
+"""Gemma 4 MTP drafting token trees on the trained tiny pair: the assistant
+drafts the spine and its runner-ups (leaf-sibling trees) and children below
+the runner-ups (continuation branches); the engine stays token-identical to
+plain greedy (tie-aware, tests/engine/identity.py), and the branches really
+are accepted."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from .conftest import (
+    accepted_tokens_per_node,
     greedy_generate,
     make_llm,
     plain_greedy_reference,
@@ -42,7 +46,7 @@ def run_mtp(speculative: dict, prompts: list[str], **options):
     target, assistant = trained_pair()
     llm = make_llm(target, {"method": "mtp", "model": str(assistant), **speculative}, **options)
     try:
-        return generate(llm, prompts), spec_decode_counters(llm)
+        return generate(llm, prompts), spec_decode_counters(llm), accepted_tokens_per_node(llm)
     finally:
         shutdown(llm)
 
@@ -50,10 +54,10 @@ def run_mtp(speculative: dict, prompts: list[str], **options):
 @pytest.mark.parametrize("batch_size", [1, 16])
 def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, batch_size):
     prompts, expected = plain_greedy
-    chain, chain_counters = run_mtp({"num_speculative_tokens": 3}, prompts,
-                                    max_num_seqs=batch_size)
-    tree, tree_counters = run_mtp({"num_speculative_tokens": 3, "tree_width": 4}, prompts,
-                                  max_num_seqs=batch_size)
+    chain, chain_counters, _ = run_mtp({"num_speculative_tokens": 3}, prompts,
+                                       max_num_seqs=batch_size)
+    tree, tree_counters, _ = run_mtp({"num_speculative_tokens": 3, "tree_width": 4},
+                                     prompts, max_num_seqs=batch_size)
     assert_greedy_identical(chain, expected, f"MTP chain K=3, batch {batch_size}")
     assert_greedy_identical(tree, expected, f"MTP tree K=3 W=4, batch {batch_size}")
 
@@ -71,9 +75,10 @@ def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, batch_size
 
 def test_chain_shaped_tree_with_mtp_matches_chain_mode(plain_greedy):
     prompts, expected = plain_greedy
-    chain, chain_counters = run_mtp({"num_speculative_tokens": 3}, prompts)
-    tree, tree_counters = run_mtp({"speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"},
-                                  prompts)
+    chain, chain_counters, _ = run_mtp({"num_speculative_tokens": 3}, prompts)
+    tree, tree_counters, _ = run_mtp(
+        {"speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"}, prompts
+    )
     assert_greedy_identical(chain, expected, "MTP chain K=3")
     assert_greedy_identical(tree, expected, "MTP chain-shaped tree")
     # Equal outputs mean equal contexts, hence equal drafts, at every step;
@@ -83,6 +88,70 @@ def test_chain_shaped_tree_with_mtp_matches_chain_mode(plain_greedy):
             assert tree_counters[name] == chain_counters[name], name
 
 
-def test_continuation_tree_is_refused_by_the_mtp_drafter():
-    with pytest.raises(Exception, match="leaf-sibling tree"):
-        run_mtp({"speculative_token_tree": "[(0,), (1,), (1, 0)]"}, ["def f():"])
+# Continuation branches: children below runner-ups, down to depth 5.
+CONTINUATION_12 = [
+    (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 0, 0),
+]  # fmt: skip
+# 32 nodes, 6 deep, up to 4 children per node.
+CONTINUATION_32 = [
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (1, 0, 0), (1, 0, 1), (2, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 1, 0), (0, 0, 1, 0, 0),
+    (1, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 1), (0, 0, 0, 0, 1, 0),
+    (0, 0, 0, 1, 0, 0), (1, 0, 0, 0, 0, 0),
+]  # fmt: skip
+
+
+def planned_tree(budget: int) -> list[tuple[int, ...]]:
+    """The tree the planner picks from the benchmark's calibration counters
+    (docs/benchmarks/calibration_metrics.txt, a saved /metrics)."""
+    from vllm.v1.spec_decode.tree_planner import (
+        AcceptanceCounts,
+        AcceptanceModel,
+        plan_tree,
+    )
+
+    metrics = Path(__file__).parents[2] / "docs" / "benchmarks" / "calibration_metrics.txt"
+    counts = AcceptanceCounts.from_prometheus_text(metrics.read_text())
+    return list(plan_tree(AcceptanceModel(counts), budget)[0])
+
+
+def accepted_below_runner_ups(per_node: dict[tuple[int, ...], int]) -> int:
+    """Accepted tokens whose parent node is off the spine."""
+    return sum(count for path, count in per_node.items() if any(path[:-1]))
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize("tree", [CONTINUATION_12, CONTINUATION_32, "planned_16"],
+                         ids=["12", "32", "planned_16"])
+def test_mtp_continuation_tree_is_identical_and_uses_its_branches(
+    plain_greedy, tree, batch_size
+):
+    prompts, expected = plain_greedy
+    kind = "continuation"
+    if tree == "planned_16":
+        tree, kind = planned_tree(16), "planned"
+    got, counters, per_node = run_mtp(
+        {"speculative_token_tree": str(tree)}, prompts, max_num_seqs=batch_size
+    )
+    assert_greedy_identical(
+        got, expected, f"MTP {kind} tree of {len(tree)} nodes, batch {batch_size}"
+    )
+    assert set(per_node) == set(tree)
+    # Children of runner-ups are accepted: the branches are drafted right.
+    assert accepted_below_runner_ups(per_node) > 0, per_node
+    # The per-node counts add up to the per-depth ones.
+    for depth, accepted in enumerate(counters["num_accepted_tokens_per_pos"]):
+        assert accepted == sum(n for path, n in per_node.items() if len(path) == depth + 1)
+    assert sum(per_node.values()) == counters["num_accepted_tokens"]
+
+
+def test_continuation_tree_is_refused_by_a_draft_model():
+    """A drafter that writes its own KV drafts leaf-sibling trees only, and
+    says at start-up which drafters draft continuation branches."""
+    target, _ = trained_pair()
+    with pytest.raises(Exception, match="Continuation branches are drafted by the Gemma 4 MTP"):
+        make_llm(target, {"method": "draft_model", "model": str(target),
+                          "speculative_token_tree": str(CONTINUATION_12)})
