@@ -38,19 +38,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["HF_HUB_OFFLINE"] = "1"
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+# Imported first: it sets the in-process engine's environment before vllm loads.
 from tests.benchmarks.el_harness import PAIR, humaneval_prompts, tokenize  # noqa: E402
 from tests.engine.conftest import (  # noqa: E402
     greedy_generate,
