@@ -70,12 +70,20 @@ CONFIGS = {
 # E[L] of the trained pair on HumanEval, greedy, batch 1 (docs/benchmarks.md).
 MEASURED_EL = {"chain_k3": 2.724, "tree_k3_w4": 3.213, "tree_k8_w4": 4.329}
 # Layers of each kind in E2B: (writes KV or shares it, sliding or full).
-E2B_LAYERS = {("own", "sliding"): 12, ("own", "full"): 3,
-              ("shared", "sliding"): 16, ("shared", "full"): 4}
+E2B_LAYERS = {
+    ("own", "sliding"): 12,
+    ("own", "full"): 3,
+    ("shared", "sliding"): 16,
+    ("shared", "full"): 4,
+}
 TARGET_LAYER_TYPES = (["sliding_attention"] * 4 + ["full_attention"]) * 2
 # The same for the 10-layer target measured here.
-TARGET_LAYERS = {("own", "sliding"): 4, ("own", "full"): 1,
-                 ("shared", "sliding"): 4, ("shared", "full"): 1}
+TARGET_LAYERS = {
+    ("own", "sliding"): 4,
+    ("own", "full"): 1,
+    ("shared", "sliding"): 4,
+    ("shared", "full"): 1,
+}
 
 
 def build_e2b_like(root: Path) -> tuple[Path, Path]:
@@ -93,32 +101,54 @@ def build_e2b_like(root: Path) -> tuple[Path, Path]:
     target_dir, assistant_dir = out / "target", out / "assistant"
     if (out / "done").exists():
         return target_dir, assistant_dir
-    common = dict(vocab_size=262144, num_key_value_heads=1, head_dim=256,
-                  global_head_dim=512, sliding_window=512,
-                  max_position_embeddings=131072, pad_token_id=0, eos_token_id=1,
-                  bos_token_id=2)
+    common = dict(
+        vocab_size=262144,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=512,
+        max_position_embeddings=131072,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:
         print("* Writing the E2B-shaped target (10 layers, random weights)", flush=True)
         target_config = Gemma4TextConfig(
-            hidden_size=1536, intermediate_size=6144, num_hidden_layers=10,
-            num_attention_heads=8, layer_types=TARGET_LAYER_TYPES,
-            num_kv_shared_layers=5, use_double_wide_mlp=True,
-            hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
-            final_logit_softcapping=30.0, **common)
+            hidden_size=1536,
+            intermediate_size=6144,
+            num_hidden_layers=10,
+            num_attention_heads=8,
+            layer_types=TARGET_LAYER_TYPES,
+            num_kv_shared_layers=5,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=256,
+            vocab_size_per_layer_input=262144,
+            final_logit_softcapping=30.0,
+            **common,
+        )
         target_config.architectures = ["Gemma4ForCausalLM"]
         Gemma4ForCausalLM(target_config).save_pretrained(target_dir)
         print("* Writing the E2B-shaped assistant", flush=True)
         assistant_config = Gemma4AssistantConfig(
             text_config=Gemma4TextConfig(
-                hidden_size=256, intermediate_size=2048, num_hidden_layers=4,
+                hidden_size=256,
+                intermediate_size=2048,
+                num_hidden_layers=4,
                 num_attention_heads=4,
                 layer_types=["sliding_attention"] * 3 + ["full_attention"],
-                num_kv_shared_layers=4, hidden_size_per_layer_input=0,
-                vocab_size_per_layer_input=0, **common),
-            backbone_hidden_size=1536, num_centroids=2048,
-            centroid_intermediate_top_k=32, use_ordered_embeddings=True)
+                num_kv_shared_layers=4,
+                hidden_size_per_layer_input=0,
+                vocab_size_per_layer_input=0,
+                **common,
+            ),
+            backbone_hidden_size=1536,
+            num_centroids=2048,
+            centroid_intermediate_top_k=32,
+            use_ordered_embeddings=True,
+        )
         assistant_config.architectures = ["Gemma4AssistantForCausalLM"]
         Gemma4AssistantForCausalLM(assistant_config).save_pretrained(assistant_dir)
     finally:
@@ -137,22 +167,42 @@ class StepRecorder:
         self.enabled = False
         wrap = self._wrap
         wrap("vllm.v1.engine.core.EngineCore", "step", "step", closes_step=True)
-        wrap("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_model_forward",
-             "forward", rows=lambda kwargs: kwargs["positions"].shape[-1])
-        wrap("vllm.model_executor.models.gemma4.Gemma4ForCausalLM", "compute_logits",
-             "logits")
+        wrap(
+            "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+            "_model_forward",
+            "forward",
+            rows=lambda kwargs: kwargs["positions"].shape[-1],
+        )
+        wrap(
+            "vllm.model_executor.models.gemma4.Gemma4ForCausalLM",
+            "compute_logits",
+            "logits",
+        )
         wrap("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_sample", "walk")
-        wrap("vllm.v1.worker.gpu_model_runner.GPUModelRunner",
-             "_commit_accepted_tree_kv", "KV commit")
-        wrap("vllm.v1.worker.gpu_model_runner.GPUModelRunner",
-             "propose_draft_token_ids", "drafting")
-        wrap("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl",
-             "_tree_attention", "tree attention")
-        wrap("vllm.model_executor.models.gemma4.Gemma4DecoderLayer", "forward",
-             lambda layer: "layer " + layer_kind(layer))
+        wrap(
+            "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+            "_commit_accepted_tree_kv",
+            "KV commit",
+        )
+        wrap(
+            "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+            "propose_draft_token_ids",
+            "drafting",
+        )
+        wrap(
+            "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl",
+            "_tree_attention",
+            "tree attention",
+        )
+        wrap(
+            "vllm.model_executor.models.gemma4.Gemma4DecoderLayer",
+            "forward",
+            lambda layer: "layer " + layer_kind(layer),
+        )
 
-    def _wrap(self, class_path: str, name: str, label, rows=None,
-              closes_step: bool = False) -> None:
+    def _wrap(
+        self, class_path: str, name: str, label, rows=None, closes_step: bool = False
+    ) -> None:
         module, class_name = class_path.rsplit(".", 1)
         cls = getattr(importlib.import_module(module), class_name)
         function = getattr(cls, name)
@@ -190,34 +240,56 @@ def measure(target: Path, assistant: Path, recorder: StepRecorder) -> dict:
     from vllm.inputs import TokensPrompt
 
     rng = random.Random(0)
-    prompts = [[2] + [rng.randrange(3, 262144) for _ in range(PROMPT_TOKENS - 1)]
-               for _ in range(max(BATCHES))]
-    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                              detokenize=False)
+    prompts = [
+        [2] + [rng.randrange(3, 262144) for _ in range(PROMPT_TOKENS - 1)]
+        for _ in range(max(BATCHES))
+    ]
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False
+    )
     results = {}
     for name, (extras, rows) in CONFIGS.items():
         print(f"* {name}", flush=True)
-        llm = LLM(model=str(target), dtype="bfloat16", max_model_len=1024,
-                  max_num_seqs=max(BATCHES), max_num_batched_tokens=8192,
-                  kv_cache_memory_bytes=1 << 30, enforce_eager=True, seed=0,
-                  enable_prefix_caching=False, skip_tokenizer_init=True,
-                  speculative_config={"method": "mtp", "model": str(assistant),
-                                      **extras})
-        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], sampling,
-                     use_tqdm=False)  # warm-up
+        llm = LLM(
+            model=str(target),
+            dtype="bfloat16",
+            max_model_len=1024,
+            max_num_seqs=max(BATCHES),
+            max_num_batched_tokens=8192,
+            kv_cache_memory_bytes=1 << 30,
+            enforce_eager=True,
+            seed=0,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+            speculative_config={"method": "mtp", "model": str(assistant), **extras},
+        )
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[0])], sampling, use_tqdm=False
+        )  # warm-up
         for batch in BATCHES:
             recorder.steps.clear()
             recorder.enabled = True
-            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]],
-                         sampling, use_tqdm=False)
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]],
+                sampling,
+                use_tqdm=False,
+            )
             recorder.enabled = False
             decode = [s for s in recorder.steps if s["rows"] == batch * rows]
-            per_step = {key: 1000 * sum(s.get(key, 0.0) for s in decode) / len(decode)
-                        for key in {k for s in decode for k in s} - {"rows"}}
+            per_step = {
+                key: 1000 * sum(s.get(key, 0.0) for s in decode) / len(decode)
+                for key in {k for s in decode for k in s} - {"rows"}
+            }
             results.setdefault(str(batch), {})[name] = {
-                "rows": batch * rows, "decode_steps": len(decode), "ms": per_step}
-            print(f"  batch {batch}: {len(decode)} decode steps, verify forward "
-                  f"{per_step['forward'] + per_step['logits']:.1f} ms", flush=True)
+                "rows": batch * rows,
+                "decode_steps": len(decode),
+                "ms": per_step,
+            }
+            print(
+                f"  batch {batch}: {len(decode)} decode steps, verify forward "
+                f"{per_step['forward'] + per_step['logits']:.1f} ms",
+                flush=True,
+            )
         llm.llm_engine.engine_core.shutdown()
         del llm
     return results
@@ -233,13 +305,18 @@ def project(results: dict) -> dict:
             layers = {kind: ms[f"layer {kind[0]} {kind[1]}"] for kind in E2B_LAYERS}
             per_layer = {kind: layers[kind] / TARGET_LAYERS[kind] for kind in layers}
             outside_layers = ms["forward"] - sum(layers.values())
-            verify = (outside_layers + ms["logits"]
-                      + sum(E2B_LAYERS[k] * per_layer[k] for k in E2B_LAYERS))
+            verify = (
+                outside_layers
+                + ms["logits"]
+                + sum(E2B_LAYERS[k] * per_layer[k] for k in E2B_LAYERS)
+            )
             step = verify + ms["step"] - ms["forward"] - ms["logits"]
             projected.setdefault(batch, {})[name] = {
                 "verify_ms_measured": ms["forward"] + ms["logits"],
-                "verify_ms_e2b": verify, "step_ms_e2b": step,
-                "tokens_per_s_e2b": int(batch) * MEASURED_EL[name] / step * 1000}
+                "verify_ms_e2b": verify,
+                "step_ms_e2b": step,
+                "tokens_per_s_e2b": int(batch) * MEASURED_EL[name] / step * 1000,
+            }
         chain = projected[batch]["chain_k3"]
         for name, p in projected[batch].items():
             p["verify_over_chain"] = p["verify_ms_e2b"] / chain["verify_ms_e2b"]
@@ -257,12 +334,15 @@ def main() -> None:
     projected = project(results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cost_model.json").write_text(
-        json.dumps({"measured": results, "projected": projected}, indent=2) + "\n")
+        json.dumps({"measured": results, "projected": projected}, indent=2) + "\n"
+    )
     for batch, by_config in projected.items():
         for name, p in by_config.items():
-            print(f"batch {batch} {name}: verify {p['verify_ms_measured']:.1f} ms here, "
-                  f"{p['verify_ms_e2b']:.1f} ms projected ({p['verify_over_chain']:.2f}x "
-                  f"chain); tokens/s vs chain {p['tree_over_chain']:.2f}")
+            print(
+                f"batch {batch} {name}: verify {p['verify_ms_measured']:.1f} ms here, "
+                f"{p['verify_ms_e2b']:.1f} ms projected ({p['verify_over_chain']:.2f}x "
+                f"chain); tokens/s vs chain {p['tree_over_chain']:.2f}"
+            )
 
 
 if __name__ == "__main__":
