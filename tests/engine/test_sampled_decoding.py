@@ -53,9 +53,8 @@ def sample_joint(llm, prompt: str, first_seed: int, greedy_prompts=(),
 
 def engine(speculative: dict | None, **options):
     target, _ = trained_pair()
-    # A token budget above max_num_seqs prompts: no prompt is chunked. (On
-    # CPU, a seeded request whose prefill is chunked crashes upstream's
-    # runner: torch's CPU generator has no offset to rewind.)
+    # A token budget above max_num_seqs prompts: all are prefilled in one
+    # step (seeded chunked prompts: tests/engine/test_seeded_requests.py).
     return make_llm(target, speculative, max_num_seqs=128, max_num_batched_tokens=8192,
                     enable_prefix_caching=True, **options)
 

@@ -40,8 +40,8 @@ MIN_P_VALUE = 1e-3
 
 def engine(speculative: dict | None):
     target, _ = trained_pair()
-    # No chunked prompts: a seeded request whose prefill is chunked crashes
-    # upstream's CPU runner.
+    # A token budget above max_num_seqs prompts: all are prefilled in one
+    # step (seeded chunked prompts: tests/engine/test_seeded_requests.py).
     return make_llm(target, speculative, max_num_seqs=128, max_num_batched_tokens=8192,
                     enable_prefix_caching=True)
 

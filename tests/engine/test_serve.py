@@ -21,12 +21,23 @@ from pathlib import Path
 import pytest
 
 from .identity import GreedyReference, StepTop2, assert_greedy_identical
+from .request_kinds import (
+    JSON_SCHEMA,
+    LOGPROB_TOLERANCE,
+    REGEX,
+    STRUCTURED_OUTPUTS_CONFIG,
+    check_structured_output,
+    common_prefix_len,
+    logprob_difference,
+    pick_stops,
+)
 from .trained_pair import text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
 
 NUM_REQUESTS = 32
 MAX_TOKENS = 24
+MAX_MODEL_LEN = 512
 
 
 def free_port() -> int:
@@ -38,13 +49,14 @@ def free_port() -> int:
 class Server:
     """`vllm serve` on loopback, shut down with SIGINT like a user would."""
 
-    def __init__(self, model: Path, speculative_config: dict | None, log: Path):
+    def __init__(self, model: Path, speculative_config: dict | None, log: Path,
+                 extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         command = [
             str(Path(sys.executable).with_name("vllm")), "serve", str(model),
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
+            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+            "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", *extra_args,
         ]
         if speculative_config:
             command += ["--speculative-config", json.dumps(speculative_config)]
@@ -70,6 +82,13 @@ class Server:
             except OSError:
                 time.sleep(1)
         raise TimeoutError(f"vllm serve not ready: {self.log.read_text()[-3000:]}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
@@ -215,3 +234,188 @@ def test_vllm_serve_with_a_token_tree(tmp_path):
         assert name in metrics, name
     assert counter_total(metrics, "vllm:spec_decode_num_drafts_total") > 0
     assert counter_total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+
+
+# Both servers of the request-kind test: a step budget far below the long
+# prompts (their prefills are chunked), and JSON without free whitespace.
+KINDS_SERVER_ARGS = (
+    "--enable-chunked-prefill", "--max-num-batched-tokens", "64",
+    "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS_CONFIG),
+)
+SEEDED = {"temperature": 0.7, "seed": 7, "max_tokens": 16}
+TOKEN_IDS = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+
+
+def send_all(url: str, model: Path, requests: dict[str, list[dict]]) -> dict[str, list]:
+    """Every request at once; per kind, each response's choices (or the HTTP
+    status of a failed request)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300,
+                           max_retries=0)
+
+    def send(arguments: dict):
+        try:
+            return client.completions.create(model=str(model), **arguments).choices
+        except openai.APIStatusError as error:
+            return error.status_code
+
+    flat = [(kind, arguments) for kind, batch in requests.items() for arguments in batch]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(flat)) as pool:
+        responses = list(pool.map(send, [arguments for _, arguments in flat]))
+    results: dict[str, list] = {kind: [] for kind in requests}
+    for (kind, _), response in zip(flat, responses):
+        results[kind].append(response)
+    return results
+
+
+def greedy_requests(prompts: list[str]) -> list[dict]:
+    return [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 5,
+             "extra_body": {"ignore_eos": True, "prompt_logprobs": 3, **TOKEN_IDS}}
+            for p in prompts]
+
+
+def request_kinds(tokenizer, continuations: list[list[int]]) -> dict[str, list[dict]]:
+    """The other kinds, their stops chosen from plain greedy continuations."""
+    prompts = text_prompts(8)
+    long_prompts = [
+        tokenizer(text).input_ids[: MAX_MODEL_LEN - left]
+        for left, text in enumerate(text_prompts(12, length=2400)[8:], start=1)
+    ]
+    greedy = {"temperature": 0.0, "logprobs": 2}
+    return {
+        # A prompt of about 390 tokens: seven prefill chunks.
+        "seeded": [{"prompt": text_prompts(1, length=700)[0], **SEEDED,
+                    "extra_body": TOKEN_IDS}],
+        "stop": [
+            {"prompt": prompt, "max_tokens": 2 * MAX_TOKENS, "temperature": 0.0,
+             "extra_body": {"ignore_eos": False, **TOKEN_IDS, **stop}}
+            for prompt, continuation in zip(prompts, continuations)
+            for _, stop in pick_stops(tokenizer, continuation)
+        ],
+        "n2": [{"prompt": p, "n": 2, "temperature": 1.0, "seed": 100 + i,
+                "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts[:4])],
+        # No max_tokens: the rest of max_model_len, 1 to 4 tokens.
+        "max_model_len": [{"prompt": p, "temperature": 0.0, "extra_body": TOKEN_IDS}
+                          for p in long_prompts],
+        "json": [{"prompt": p, "max_tokens": 48, **greedy, "extra_body": {
+            "structured_outputs": {"json": JSON_SCHEMA}, **TOKEN_IDS}} for p in prompts[:4]],
+        "regex": [{"prompt": p, "max_tokens": 48, **greedy, "extra_body": {
+            "structured_outputs": {"regex": REGEX}, **TOKEN_IDS}} for p in prompts[4:]],
+    }
+
+
+def prompt_logprob_values(steps: list) -> list[dict | None]:
+    return [None if step is None else {int(t): v["logprob"] for t, v in step.items()}
+            for step in steps]
+
+
+def top_logprob_values(choice) -> list[dict]:
+    return [{int(k.removeprefix("token_id:")): v for k, v in step.items()}
+            for step in choice.logprobs.top_logprobs]
+
+
+def offline_seeded_tokens(speculative: dict | None) -> list[int]:
+    """The seeded request decoded offline with an unchunked prompt."""
+    from vllm import SamplingParams
+
+    from .conftest import make_llm, shutdown
+
+    llm = make_llm(trained_pair()[0], speculative, max_num_batched_tokens=8192)
+    try:
+        (output,) = llm.generate(text_prompts(1, length=700),
+                                 SamplingParams(**SEEDED), use_tqdm=False)
+        return list(output.outputs[0].token_ids)
+    finally:
+        shutdown(llm)
+
+
+def test_requests_users_send_through_vllm_serve(tmp_path):
+    """Tree server against plain server: a seeded chunked prompt is served
+    (and the server keeps serving) with its unchunked text; logprobs and
+    prompt_logprobs, stop tokens and strings, n=2, max_model_len and
+    structured outputs, all in flight at once."""
+    from transformers import AutoTokenizer
+
+    target, assistant = trained_pair()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tree_config = {"method": "mtp", "model": str(assistant),
+                   "num_speculative_tokens": 3, "tree_width": 4}
+    results, metrics = {}, ""
+    for name, speculative in (("plain", None), ("tree", tree_config)):
+        server = Server(target, speculative, tmp_path / f"{name}-kinds.log",
+                        KINDS_SERVER_ARGS)
+        try:
+            server.wait_ready()
+            if name == "plain":
+                greedy = send_all(server.url, target,
+                                  {"greedy": greedy_requests(text_prompts(8))})
+                continuations = [token_ids(c[0]) for c in greedy["greedy"]]
+                kinds = {"greedy": greedy_requests(text_prompts(8)),
+                         **request_kinds(tokenizer, continuations)}
+            results[name] = send_all(server.url, target, kinds)
+            assert server.healthy(), server.log.read_text()[-3000:]
+            # Still serving after them.
+            assert send_all(server.url, target, {"seeded": kinds["seeded"]})["seeded"] == \
+                results[name]["seeded"]
+            if name == "tree":
+                metrics = server.metrics()
+        finally:
+            server.stop()
+
+    failed = {name: {kind: [r for r in responses if isinstance(r, int)]
+                     for kind, responses in result.items()} for name, result in results.items()}
+    assert all(not statuses for f in failed.values() for statuses in f.values()), failed
+    plain, tree = results["plain"], results["tree"]
+    assert counter_total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+
+    # Seeded, chunked: the text of the same request decoded unchunked.
+    for name, speculative in (("plain", None), ("tree", tree_config)):
+        assert token_ids(results[name]["seeded"][0][0]) == offline_seeded_tokens(speculative)
+
+    first = lambda responses: [r[0] for r in responses]  # noqa: E731
+    reference = GreedyReference(
+        tokens=[token_ids(c) for c in first(plain["greedy"])],
+        top2=[[StepTop2.from_logprobs(step) for step in top_logprob_values(c)]
+              for c in first(plain["greedy"])],
+    )
+    report = assert_greedy_identical([token_ids(c) for c in first(tree["greedy"])],
+                                     reference, "vllm serve: logprobs=5 requests, tree")
+    largest = largest_prompt = 0.0
+    for p, t in zip(first(plain["greedy"]), first(tree["greedy"])):
+        steps = common_prefix_len(token_ids(p), token_ids(t))
+        d, differing = logprob_difference(top_logprob_values(p)[:steps],
+                                          top_logprob_values(t)[:steps])
+        assert not differing, differing
+        largest = max(largest, d)
+        d, differing = logprob_difference(prompt_logprob_values(p.prompt_logprobs),
+                                          prompt_logprob_values(t.prompt_logprobs))
+        assert not differing, differing
+        largest_prompt = max(largest_prompt, d)
+    print(f"vllm serve logprobs: {report.num_tokens_compared} tokens, largest "
+          f"difference {largest:.3g} nats; prompt_logprobs {largest_prompt:.3g} nats")
+    assert max(largest, largest_prompt) <= LOGPROB_TOLERANCE
+
+    def outcome(choice):
+        return token_ids(choice), choice.text, choice.finish_reason, choice.stop_reason
+
+    assert [outcome(c) for c in first(tree["stop"])] == \
+        [outcome(c) for c in first(plain["stop"])]
+    assert sum(c.finish_reason == "stop" for c in first(plain["stop"])) >= \
+        0.9 * len(plain["stop"])
+    assert [outcome(c) for c in first(tree["max_model_len"])] == \
+        [outcome(c) for c in first(plain["max_model_len"])]
+    assert [len(token_ids(c)) for c in first(plain["max_model_len"])] == [1, 2, 3, 4]
+    for kind in ("json", "regex"):
+        kind_reference = GreedyReference(
+            tokens=[token_ids(c) for c in first(plain[kind])],
+            top2=[[StepTop2.from_logprobs(step) for step in top_logprob_values(c)]
+                  for c in first(plain[kind])],
+        )
+        assert_greedy_identical([token_ids(c) for c in first(tree[kind])],
+                                kind_reference, f"vllm serve: {kind} structured outputs")
+        for choice in first(tree[kind]):
+            check_structured_output(kind, choice.text)
+    for choices in tree["n2"]:
+        assert sorted(c.index for c in choices) == [0, 1]
+        assert choices[0].text != choices[1].text

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Settings a token tree cannot serve correctly are refused when the engine
+configuration is built (what `vllm serve` and `LLM` do first), with a message
+that names the setting. Each of these built a tree-mode engine configuration
+before the stack refused it; the TRITON_ATTN-only refusals (chunked local
+attention, R-SWA, non-causal windows) are unit-tested in the patched tree
+(tests/v1/attention/test_triton_attn_tree.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .trained_pair import trained_pair
+
+pytestmark = pytest.mark.engine
+
+
+def mtp_tree(**extra) -> dict:
+    _, assistant = trained_pair()
+    return {"method": "mtp", "model": str(assistant), "num_speculative_tokens": 3,
+            "tree_width": 4, **extra}
+
+
+def draft_model_tree(**extra) -> dict:
+    target, _ = trained_pair()
+    return {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3,
+            "tree_width": 2, **extra}
+
+
+CASES = {
+    "dual-batch-overlap": (mtp_tree(), {"enable_dbo": True}, "enable_dbo"),
+    "micro-batching": (mtp_tree(), {"ubatch_size": 2}, "ubatch_size=2"),
+    "data-parallel": (mtp_tree(), {"data_parallel_size": 2}, "data_parallel_size=2"),
+    "kv-connector": (
+        mtp_tree(),
+        {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+        "kv_transfer_config",
+    ),
+    "lora": (mtp_tree(), {"enable_lora": True}, "enable_lora"),
+    "probabilistic-drafts": (
+        mtp_tree(draft_sample_method="probabilistic"), {},
+        "draft_sample_method='probabilistic' is not supported",
+    ),
+    "heterogeneous-vocabulary": (
+        draft_model_tree(use_heterogeneous_vocab=True), {}, "use_heterogeneous_vocab",
+    ),
+    "parallel-drafting": (
+        draft_model_tree(parallel_drafting=True), {}, "parallel_drafting",
+    ),
+    "dynamic-speculative-decoding": (
+        mtp_tree(num_speculative_tokens_per_batch_size=[(1, 8, 12), (9, 256, 4)]), {},
+        "num_speculative_tokens_per_batch_size",
+    ),
+}
+
+
+def build_config(speculative: dict, **options):
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, _ = trained_pair()
+    return EngineArgs(model=str(target), dtype="float32", max_model_len=512,
+                      speculative_config=speculative, **options).create_engine_config()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_unsupported_setting_is_refused_naming_it(case):
+    speculative, options, match = CASES[case]
+    with pytest.raises(Exception, match=f"speculative_token_tree .*{match}") as error:
+        build_config(speculative, **options)
+    print(f"{case}: {str(error.value).splitlines()[1].strip()[:240]}")
+
+
+def test_v2_model_runner_asked_for_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(Exception, match="speculative_token_tree .*VLLM_USE_V2_MODEL_RUNNER=1"):
+        build_config(mtp_tree())
+
+
+def test_supported_tree_config_builds():
+    config = build_config(mtp_tree())
+    assert config.speculative_config.num_speculative_tokens == 12
+    assert not config.use_v2_model_runner
