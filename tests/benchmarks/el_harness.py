@@ -584,7 +584,7 @@ def render_wall_clock(summary: dict, out: Path) -> list[str]:
         "above): the tiny pair's draft forward costs about as much as its target "
         "forward.",
         ""]
-    return lines + render_cost_model(out)
+    return lines + render_cost_model(out) + render_noise_cost(out)
 
 
 def render_cost_model(out: Path) -> list[str]:
@@ -646,6 +646,59 @@ def render_cost_model(out: Path) -> list[str]:
         "cannot be removed on CPU: the rows are the tree. A tree pays off where extra "
         "verify rows are nearly free, as in a small batch's memory-bound forward on a "
         "GPU.",
+        "",
+    ]
+    return lines
+
+
+def render_noise_cost(out: Path) -> list[str]:
+    """What position-keyed sampling noise costs (tests/benchmarks/noise_cost.py),
+    when its JSON file lies beside el_results.json in `out`."""
+    path = out / "noise_cost.json"
+    if not path.exists():
+        return []
+    results = json.loads(path.read_text())
+    lines = [
+        "### Sampling noise per step",
+        "",
+        "In tree mode every random row samples with Gumbel noise keyed by the request's "
+        "seed and the output position (`vllm/v1/sample/ops/position_keyed.py`); before, "
+        "each tree row drew Exp(1) noise over the whole vocabulary from the request's "
+        "generator. `tests/benchmarks/noise_cost.py` times both. The noise and argmax of "
+        "one K=3 W=4 step (12 tree rows and 1 bonus row per request, all sampled, "
+        "seeded), the two implementations side by side in one process, median ms:",
+        "",
+        "| vocabulary | batch | before (ms) | after (ms) | after / before |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results["ops"].values():
+        lines.append(f"| {r['vocab_size']} | {r['batch']} | {r['before_ms']:.2f} | "
+                     f"{r['after_ms']:.2f} | {r['after_ms'] / r['before_ms']:.2f} |")
+    engine = results.get("engine", {})
+    if {"before", "after"} <= engine.keys():
+        lines += [
+            "",
+            "Per engine step on the trained pair (vocabulary 512), MTP K=3 W=4, seeded "
+            "T 0.8 / top-p 0.9, 64 tokens, best of 3; `sample` is "
+            "`GPUModelRunner._sample` (the walk and all sampling), `step` is "
+            "`EngineCore.step`. Before: the previous wheel "
+            f"({engine['before']['wheel']}); after: {engine['after']['wheel']}.",
+            "",
+            "| batch | sample before (ms) | sample after (ms) | step before (ms) | "
+            "step after (ms) |",
+            "|---|---|---|---|---|",
+        ]
+        for batch in ("1", "16"):
+            b, a = engine["before"][batch], engine["after"][batch]
+            lines.append(f"| {batch} | {b['sample_ms']:.2f} | {a['sample_ms']:.2f} | "
+                         f"{b['step_ms']:.2f} | {a['step_ms']:.2f} |")
+    lines += [
+        "",
+        "The keyed noise needs D + 1 vectors per request and step (nodes at one depth "
+        "share theirs). On CPU the fused kernel regenerates a row's noise inside its "
+        "argmax instead of storing it, and draws it only for tokens that can still win, "
+        "so it costs less per row than the stored Exp(1) noise did, and nothing is "
+        "drawn from a generator.",
         "",
     ]
     return lines

@@ -159,40 +159,53 @@ def current_test_id() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "speculative").rsplit(" (", 1)[0]
 
 
+def compare_tokens(
+    got: list[list[int]],
+    expected: list[list[int]],
+    judge,
+    label: str,
+) -> IdentityReport:
+    """Compares two runs token by token up to each prompt's first difference,
+    where `judge(prompt, step, expected_token, got_token)` returns
+    (margin, runner_up, is_tie) from the reference run; records the report
+    for the session summary and does not raise."""
+    report = IdentityReport(label, len(expected))
+    if len(got) != len(expected):
+        report.length_errors.append(f"{len(got)} outputs for {len(expected)} prompts")
+    for prompt, (tokens, reference) in enumerate(zip(got, expected)):
+        step = next(
+            (i for i, (g, e) in enumerate(zip(tokens, reference)) if g != e), None
+        )
+        if step is None:
+            report.num_tokens_compared += min(len(tokens), len(reference))
+            if len(tokens) != len(reference):
+                report.length_errors.append(
+                    f"prompt {prompt}: {len(tokens)} tokens, reference {len(reference)}"
+                )
+            continue
+        report.num_tokens_compared += step + 1
+        margin, runner_up, is_tie = judge(prompt, step, reference[step], tokens[step])
+        divergence = Divergence(prompt, step, reference[step], tokens[step], margin,
+                                runner_up)
+        (report.tie_flips if is_tie else report.mismatches).append(divergence)
+    IDENTITY_REPORTS.append(report)
+    return report
+
+
 def compare_with_plain_greedy(
     got: list[list[int]], reference: GreedyReference, label: str | None = None
 ) -> IdentityReport:
     """Compares speculative outputs with plain greedy under the tie rule and
     records the report for the session summary; does not raise. The label
     defaults to the running test's id."""
-    report = IdentityReport(label or current_test_id(), len(reference))
-    if len(got) != len(reference):
-        report.length_errors.append(
-            f"{len(got)} outputs for {len(reference)} prompts"
-        )
-    for prompt, (tokens, expected, top2) in enumerate(
-        zip(got, reference.tokens, reference.top2)
-    ):
-        step = next(
-            (i for i, (g, e) in enumerate(zip(tokens, expected)) if g != e), None
-        )
-        if step is None:
-            report.num_tokens_compared += min(len(tokens), len(expected))
-            if len(tokens) != len(expected):
-                report.length_errors.append(
-                    f"prompt {prompt}: {len(tokens)} tokens, plain greedy {len(expected)}"
-                )
-            continue
-        report.num_tokens_compared += step + 1
-        top = top2[step]
-        divergence = Divergence(
-            prompt, step, expected[step], tokens[step], top.margin,
-            top.second if top.first == expected[step] else top.first,
-        )
-        is_tie = top.margin <= TIE_MARGIN_NATS and tokens[step] in (top.first, top.second)
-        (report.tie_flips if is_tie else report.mismatches).append(divergence)
-    IDENTITY_REPORTS.append(report)
-    return report
+
+    def judge(prompt: int, step: int, expected: int, token: int):
+        top = reference.top2[prompt][step]
+        runner_up = top.second if top.first == expected else top.first
+        return top.margin, runner_up, (
+            top.margin <= TIE_MARGIN_NATS and token in (top.first, top.second))
+
+    return compare_tokens(got, reference.tokens, judge, label or current_test_id())
 
 
 def assert_greedy_identical(

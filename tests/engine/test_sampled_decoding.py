@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engine
 
 NUM_SAMPLES = 1500
 # Three tokens: the second and third come from one tree step (the first is
-# the prefill's), so a walk that reused one noise draw across rows would show.
+# the prefill's), so a walk that reused one position's noise for the next would show.
 NUM_TOKENS = 3
 # top_k keeps the joint at most 4 ** 3 = 64 cells.
 SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 4}

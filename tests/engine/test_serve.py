@@ -419,3 +419,69 @@ def test_requests_users_send_through_vllm_serve(tmp_path):
     for choices in tree["n2"]:
         assert sorted(c.index for c in choices) == [0, 1]
         assert choices[0].text != choices[1].text
+
+
+def test_seeded_requests_reproduce_through_vllm_serve(tmp_path):
+    """A tree-mode server gives seeded requests the same text alone, among 32
+    concurrent requests, after a restart, and as the offline engine
+    (tie-aware, tests/engine/keyed_sampling.py)."""
+    from transformers import AutoTokenizer
+
+    from .conftest import make_llm, shutdown
+    from .keyed_sampling import ScoreOracle, SeededRequest, assert_seeded_identical
+    from .test_seeded_tree_sampling import SAMPLINGS
+
+    target, assistant = trained_pair()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tree_config = {"method": "mtp", "model": str(assistant),
+                   "num_speculative_tokens": 3, "tree_width": 4}
+    prompts = [tokenizer(text).input_ids for text in text_prompts(NUM_REQUESTS, length=200)]
+    seeded = [SeededRequest(prompts[i], seed=500 + i, **SAMPLINGS[i % 2]) for i in range(4)]
+    # The load beside them: other seeds, unseeded and greedy requests.
+    others = [SeededRequest(p, seed=(900 + i) if i % 3 == 0 else None,
+                            **SAMPLINGS[i % 2]) if i % 3 < 2
+              else SeededRequest(p, temperature=0.0, top_k=0, top_p=1.0, seed=None)
+              for i, p in enumerate(prompts[4:])]
+
+    def arguments(request: SeededRequest) -> dict:
+        return {"prompt": request.prompt_token_ids, "max_tokens": MAX_TOKENS,
+                "temperature": request.temperature, "top_p": request.top_p,
+                "seed": request.seed, "extra_body": {"top_k": request.top_k,
+                                                     "ignore_eos": True, **TOKEN_IDS}}
+
+    def alone(url: str) -> list[list[int]]:
+        return [token_ids(send_all(url, target, {"r": [arguments(r)]})["r"][0][0])
+                for r in seeded]
+
+    runs = {}
+    for name in ("first", "restarted"):
+        server = Server(target, tree_config, tmp_path / f"{name}.log")
+        try:
+            server.wait_ready()
+            runs[name] = alone(server.url)
+            if name == "first":
+                together = send_all(server.url, target,
+                                    {"seeded": [arguments(r) for r in seeded],
+                                     "others": [arguments(r) for r in others]})
+                runs["among 32"] = [token_ids(c[0]) for c in together["seeded"]]
+                assert all(not isinstance(c, int) for c in together["others"])
+        finally:
+            server.stop()
+
+    llm = make_llm(target, tree_config, max_logprobs=-1)
+    try:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in seeded],
+            [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                            seed=r.seed, max_tokens=MAX_TOKENS, ignore_eos=True)
+             for r in seeded], use_tqdm=False)
+        runs["offline"] = [list(o.outputs[0].token_ids) for o in outputs]
+        oracle = ScoreOracle(llm)
+        for name in ("among 32", "restarted", "offline"):
+            assert_seeded_identical(runs[name], runs["first"], seeded, oracle,
+                                    f"vllm serve: seeded, {name} vs alone")
+    finally:
+        shutdown(llm)
