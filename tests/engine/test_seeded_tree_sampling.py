@@ -152,6 +152,10 @@ def test_seeded_text_does_not_depend_on_the_drafter(reference, drafter):
         counters = run(llm, drafter, reference)
     finally:
         shutdown(llm)
+    print(f"{drafter}: {counters['num_accepted_tokens']} drafts accepted of "
+          f"{counters['num_draft_tokens']}, rescued per depth "
+          f"{counters['num_rescued_tokens_per_pos']}, "
+          f"{counters['num_tree_fallback_requests']} fallback requests")
     # Drafts were verified and accepted, beyond the first node at a depth
     # where the tree branches.
     assert counters["num_accepted_tokens"] > 0
@@ -168,6 +172,7 @@ def test_seeded_text_survives_preemption(reference):
                           if m.name == "vllm:num_preemptions")
     finally:
         shutdown(llm)
+    print(f"k3_w4 with 1 MiB of KV cache: {preemptions:.0f} preemptions")
     assert preemptions > 0
 
 
