@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree sizes that follow the load: with num_speculative_tokens_per_batch_size
+in tree mode, each step drafts and verifies the n likeliest nodes of the
+configured tree for its batch size (n = 0: no drafts). Requests with
+max_tokens 8 to 39 finish one after another, so the batch shrinks from 32 to
+1 and n changes inside every request. Greedy output must stay plain greedy
+decoding (tie-aware, tests/engine/identity.py) and seeded sampled output the
+text those requests give decoded without drafts
+(tests/engine/keyed_sampling.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import make_llm, plain_greedy_reference, shutdown, spec_decode_counters
+from .identity import assert_greedy_identical
+from .keyed_sampling import ScoreOracle, SeededRequest, assert_seeded_identical
+from .test_mtp_tree import CONTINUATION_12
+from .test_seeded_tree_sampling import NO_DRAFTS, SAMPLINGS
+from .trained_pair import text_prompts, trained_pair
+
+pytestmark = pytest.mark.engine
+
+NUM_REQUESTS = 32
+# Node counts of the 12-node continuation tree by batch size: the whole tree
+# up to 8 requests, its 5 likeliest nodes up to 16, no drafts up to 24, the
+# 3-node spine above.
+SCHEDULE = [(1, 8, 12), (9, 16, 5), (17, 24, 0), (25, 256, 3)]
+
+
+def speculative(schedule) -> dict:
+    _, assistant = trained_pair()
+    return {"method": "mtp", "model": str(assistant),
+            "speculative_token_tree": str(CONTINUATION_12),
+            "num_speculative_tokens_per_batch_size": schedule}
+
+
+def prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_pair()[0])
+    return [[tokenizer.bos_token_id, *tokenizer(t, add_special_tokens=False).input_ids]
+            for t in text_prompts(NUM_REQUESTS, length=200)]
+
+
+def max_tokens(i: int) -> int:
+    return 8 + i
+
+
+def generate(llm, requests: list[SeededRequest], **extra) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                             seed=r.seed, max_tokens=max_tokens(i), ignore_eos=True,
+                             **extra)
+              for i, r in enumerate(requests)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids)
+                            for r in requests], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def greedy(batch: list[list[int]]) -> list[SeededRequest]:
+    return [SeededRequest(p, temperature=0.0, top_k=0, top_p=1.0, seed=None) for p in batch]
+
+
+def seeded(batch: list[list[int]]) -> list[SeededRequest]:
+    return [SeededRequest(p, seed=2000 + i, **SAMPLINGS[i % 2]) for i, p in enumerate(batch)]
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Plain greedy decoding (with its top-2 logprobs) and the seeded
+    requests decoded without drafts by a tree-mode engine."""
+    batch = prompts()
+    llm = make_llm(trained_pair()[0])
+    try:
+        expected = [plain_greedy_reference(llm, [p], max_tokens(i))
+                    for i, p in enumerate(batch)]
+    finally:
+        shutdown(llm)
+    llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
+    try:
+        sampled = generate(llm, seeded(batch), **NO_DRAFTS)
+        assert spec_decode_counters(llm)["num_draft_tokens"] == 0
+    finally:
+        shutdown(llm)
+    greedy_tokens = [e.tokens[0] for e in expected]
+    greedy_top2 = [e.top2[0] for e in expected]
+    from .identity import GreedyReference
+
+    return batch, GreedyReference(greedy_tokens, greedy_top2), sampled
+
+
+def test_tree_size_follows_the_batch_size(references):
+    batch, expected, sampled_expected = references
+    llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
+    try:
+        got = generate(llm, greedy(batch))
+        greedy_counters = spec_decode_counters(llm)
+        sampled = generate(llm, seeded(batch))
+        oracle = ScoreOracle(llm)
+        assert_seeded_identical(sampled, sampled_expected, seeded(batch), oracle,
+                                "nested trees by batch size, seeded")
+    finally:
+        shutdown(llm)
+    assert_greedy_identical(got, expected, "nested trees by batch size, greedy")
+    drafted, drafts = greedy_counters["num_draft_tokens"], greedy_counters["num_drafts"]
+    print(f"nested trees: {drafted} draft tokens in {drafts} drafts "
+          f"({drafted / drafts:.2f} per draft), accepted "
+          f"{greedy_counters['num_accepted_tokens']}, rescued per depth "
+          f"{greedy_counters['num_rescued_tokens_per_pos']}")
+    # Drafts of 3, 5 and 12 nodes were verified, and runner-ups accepted.
+    assert 3 < drafted / drafts < 12
+    assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
+
+
+def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
+    batch, expected, _ = references
+    llm = make_llm(trained_pair()[0], speculative([(1, 256, 0)]))
+    try:
+        got = generate(llm, greedy(batch))
+        counters = spec_decode_counters(llm)
+    finally:
+        shutdown(llm)
+    assert_greedy_identical(got, expected, "nested trees, schedule of 0 nodes")
+    assert counters.get("num_draft_tokens", 0) == 0
+
