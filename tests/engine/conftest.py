@@ -95,5 +95,8 @@ def spec_decode_counters(llm) -> dict[str, float | list]:
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode_"):
             name = metric.name.removeprefix("vllm:spec_decode_")
-            counters[name] = getattr(metric, "values", None) or metric.value
+            if hasattr(metric, "buckets"):  # a histogram
+                counters[name] = metric.buckets
+            else:
+                counters[name] = getattr(metric, "values", None) or metric.value
     return counters

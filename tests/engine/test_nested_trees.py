@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tree sizes that follow the load: with num_speculative_tokens_per_batch_size
 in tree mode, each step drafts and verifies the n likeliest nodes of the
-configured tree for its batch size (n = 0: no drafts). Requests with
+configured tree for its batch size (n = 0: no drafts); with
+enable_adaptive_verification, the n its measured acceptance and step times
+favour (its warm-up alone tries several). Requests with
 max_tokens 8 to 39 finish one after another, so the batch shrinks from 32 to
 1 and n changes inside every request. Greedy output must stay plain greedy
 decoding (tie-aware, tests/engine/identity.py) and seeded sampled output the
@@ -28,11 +30,17 @@ NUM_REQUESTS = 32
 SCHEDULE = [(1, 8, 12), (9, 16, 5), (17, 24, 0), (25, 256, 3)]
 
 
+ADAPTIVE = "adaptive"
+
+
 def speculative(schedule) -> dict:
+    """The continuation tree sized by `schedule`, or by measured acceptance
+    and step times (enable_adaptive_verification) for ADAPTIVE."""
     _, assistant = trained_pair()
+    sizing = ({"enable_adaptive_verification": True} if schedule == ADAPTIVE
+              else {"num_speculative_tokens_per_batch_size": schedule})
     return {"method": "mtp", "model": str(assistant),
-            "speculative_token_tree": str(CONTINUATION_12),
-            "num_speculative_tokens_per_batch_size": schedule}
+            "speculative_token_tree": str(CONTINUATION_12), **sizing}
 
 
 def prompts() -> list[list[int]]:
@@ -41,6 +49,21 @@ def prompts() -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(trained_pair()[0])
     return [[tokenizer.bos_token_id, *tokenizer(t, add_special_tokens=False).input_ids]
             for t in text_prompts(NUM_REQUESTS, length=200)]
+
+
+def tree_sizes(llm) -> dict[int, int]:
+    """Steps per drafted node count (vllm:spec_decode_tree_num_nodes)."""
+    (histogram,) = [m for m in llm.get_metrics()
+                    if m.name == "vllm:spec_decode_tree_num_nodes"]
+    cumulative = sorted((float(le), count) for le, count in histogram.buckets.items()
+                        if le != "+Inf")
+    steps = {}
+    below = 0
+    for le, count in cumulative:
+        if count > below:
+            steps[int(le)] = count - below
+        below = count
+    return steps
 
 
 def max_tokens(i: int) -> int:
@@ -92,26 +115,34 @@ def references():
     return batch, GreedyReference(greedy_tokens, greedy_top2), sampled
 
 
-def test_tree_size_follows_the_batch_size(references):
+@pytest.mark.parametrize("sizing", ["schedule", ADAPTIVE])
+def test_tree_size_follows_the_load(references, sizing):
     batch, expected, sampled_expected = references
-    llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
+    schedule = SCHEDULE if sizing == "schedule" else ADAPTIVE
+    llm = make_llm(trained_pair()[0], speculative(schedule), max_logprobs=-1)
     try:
         got = generate(llm, greedy(batch))
         greedy_counters = spec_decode_counters(llm)
+        sizes = tree_sizes(llm)
         sampled = generate(llm, seeded(batch))
         oracle = ScoreOracle(llm)
         assert_seeded_identical(sampled, sampled_expected, seeded(batch), oracle,
-                                "nested trees by batch size, seeded")
+                                f"nested trees by {sizing}, seeded")
     finally:
         shutdown(llm)
-    assert_greedy_identical(got, expected, "nested trees by batch size, greedy")
+    assert_greedy_identical(got, expected, f"nested trees by {sizing}, greedy")
     drafted, drafts = greedy_counters["num_draft_tokens"], greedy_counters["num_drafts"]
-    print(f"nested trees: {drafted} draft tokens in {drafts} drafts "
+    print(f"nested trees by {sizing}: {drafted} draft tokens in {drafts} drafts "
           f"({drafted / drafts:.2f} per draft), accepted "
           f"{greedy_counters['num_accepted_tokens']}, rescued per depth "
           f"{greedy_counters['num_rescued_tokens_per_pos']}")
-    # Drafts of 3, 5 and 12 nodes were verified, and runner-ups accepted.
-    assert 3 < drafted / drafts < 12
+    print(f"nested trees by {sizing}: steps per drafted node count {sizes}")
+    # Trees of several sizes were verified, and runner-ups accepted.
+    if sizing == "schedule":
+        assert set(sizes) == {0, 3, 5, 12}
+    else:
+        assert len(sizes) >= 3
+    assert 1 < drafted / drafts < 12
     assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
 
 

@@ -47,9 +47,10 @@ CASES = {
     "parallel-drafting": (
         draft_model_tree(parallel_drafting=True), {}, "parallel_drafting",
     ),
-    "dynamic-speculative-decoding": (
-        mtp_tree(num_speculative_tokens_per_batch_size=[(1, 8, 12), (9, 256, 4)]), {},
-        "num_speculative_tokens_per_batch_size",
+    "schedule-and-adaptive-sizing": (
+        mtp_tree(num_speculative_tokens_per_batch_size=[(1, 8, 12), (9, 256, 4)],
+                 enable_adaptive_verification=True), {},
+        "by load: set one of them",
     ),
 }
 
@@ -78,5 +79,17 @@ def test_v2_model_runner_asked_for_is_refused(monkeypatch):
 
 def test_supported_tree_config_builds():
     config = build_config(mtp_tree())
+    assert config.speculative_config.num_speculative_tokens == 12
+    assert not config.use_v2_model_runner
+
+
+@pytest.mark.parametrize("sizing", [
+    {"num_speculative_tokens_per_batch_size": [(1, 8, 12), (9, 256, 4)]},
+    {"enable_adaptive_verification": True},
+])
+def test_tree_sized_by_load_builds_on_the_v1_runner(sizing):
+    """Upstream's Dynamic SD schedule and adaptive verification (V2-only
+    for chains) size a tree in the V1 runner."""
+    config = build_config(mtp_tree(**sizing))
     assert config.speculative_config.num_speculative_tokens == 12
     assert not config.use_v2_model_runner
