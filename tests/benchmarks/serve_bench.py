@@ -71,26 +71,49 @@ def configs() -> dict[str, dict | None]:
 
 
 # Concurrent requests -> prompts sent.
-PROMPTS_PER_CONCURRENCY = {1: 16, 4: 32, 16: 64, 32: 96}
+PROMPTS_PER_CONCURRENCY = {1: 24, 4: 48, 16: 96, 32: 128}
+TARGETS = ("trained", "cost_scaled")
 DEFAULT_CONFIGS = ("plain", "chain_k3", "tree_k3_w4")
 DEFAULT_CONCURRENCY = (1, 16)
 OUTPUT_LEN = 64
 
 
-def write_prompts(path: Path) -> None:
+def write_prompts(path: Path, prompt_tokens: int) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
     with path.open("w") as f:
         for text in humaneval_prompts():
-            ids = tokenizer(text, add_special_tokens=False).input_ids[-384:]
+            ids = tokenizer(text, add_special_tokens=False).input_ids[-prompt_tokens:]
             f.write(json.dumps({"prompt": tokenizer.decode(ids)}) + "\n")
 
 
-def bench(url: str, prompts: Path, concurrency: int, result_dir: Path, name: str) -> dict:
+def tree_sizes(url: str) -> dict[int, int]:
+    """Steps per drafted node count so far, from the server's /metrics
+    (vllm:spec_decode_tree_num_nodes); empty without adaptive sizing."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    cumulative = []
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_tree_num_nodes_bucket{"):
+            le = line.split('le="')[1].split('"')[0]
+            cumulative.append((float(le), float(line.rsplit(" ", 1)[1])))
+    steps, below = {}, 0.0
+    for le, count in sorted(cumulative):
+        if count > below and le != float("inf"):
+            steps[int(le)] = int(count - below)
+        below = count
+    return steps
+
+
+def bench(url: str, model: Path, prompts: Path, concurrency: int, result_dir: Path,
+          name: str) -> dict:
+    sizes_before = tree_sizes(url)
     command = [
         str(Path(sys.executable).with_name("vllm")), "bench", "serve",
-        "--backend", "vllm", "--base-url", url, "--model", str(PAIR / "target"),
+        "--backend", "vllm", "--base-url", url, "--model", str(model),
         "--dataset-name", "custom", "--dataset-path", str(prompts),
         "--skip-chat-template", "--custom-output-len", str(OUTPUT_LEN),
         "--num-prompts", str(PROMPTS_PER_CONCURRENCY[concurrency]), "--max-concurrency",
@@ -100,8 +123,45 @@ def bench(url: str, prompts: Path, concurrency: int, result_dir: Path, name: str
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     result = json.loads((result_dir / name).read_text())
-    return {key: result[key] for key in (
+    summary = {key: result[key] for key in (
         "completed", "output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms")}
+    sizes = {n: count - sizes_before.get(n, 0) for n, count in tree_sizes(url).items()}
+    if any(sizes.values()):
+        summary["steps_per_num_nodes"] = {str(n): c for n, c in sorted(sizes.items()) if c}
+    return summary
+
+
+def startup_profile(log: str) -> dict | None:
+    """The seconds and the step-time table the server's start-up profile
+    logged (enable_adaptive_verification in tree mode)."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if "Tree size profile took" in line:
+            seconds = float(line.split("Tree size profile took ")[1].split(" s")[0])
+            table = []
+            for row in lines[i + 1:]:
+                if "] " not in row or not row.split("] ", 1)[1].strip()[:1].isdigit() and \
+                        "requests" not in row:
+                    break
+                table.append(row.split("] ", 1)[1])
+            return {"seconds": seconds, "table_ms": table}
+    return None
+
+
+def ratios(by_config: dict) -> dict:
+    """Each adaptive configuration's tokens/s over the best fixed one's
+    (`<name>_over_best_fixed`) and over every fixed one's
+    (`<name>_over_<fixed>`)."""
+    fixed = {n: r["output_throughput"] for n, r in by_config.items()
+             if isinstance(r, dict) and not n.startswith("adaptive")}
+    out = {}
+    for name, r in list(by_config.items()):
+        if not (isinstance(r, dict) and name.startswith("adaptive")) or not fixed:
+            continue
+        out[f"{name}_over_best_fixed"] = r["output_throughput"] / max(fixed.values())
+        for other, tok_s in fixed.items():
+            out[f"{name}_over_{other}"] = r["output_throughput"] / tok_s
+    return out
 
 
 def main() -> None:
@@ -113,28 +173,48 @@ def main() -> None:
                         default=DEFAULT_CONCURRENCY, choices=list(PROMPTS_PER_CONCURRENCY))
     parser.add_argument("--name", default="serve_bench",
                         help="results go to OUT/NAME.json")
+    parser.add_argument("--target", choices=TARGETS, default="trained",
+                        help="the trained tiny target, or its cost-scaled copy "
+                             "(tests/benchmarks/cost_scaled_target.py)")
+    parser.add_argument("--prompt-tokens", type=int, default=384,
+                        help="each prompt's last tokens sent")
     args = parser.parse_args()
+    if args.target == "trained":
+        model = PAIR / "target"
+    else:
+        from tests.benchmarks.cost_scaled_target import build
+
+        model = build()
     results: dict = {str(c): {} for c in args.concurrency}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         prompts = scratch / "humaneval.jsonl"
-        write_prompts(prompts)
+        write_prompts(prompts, args.prompt_tokens)
         for name in args.configs:
             config = configs()[name]
             print(f"* vllm serve: {name}", flush=True)
-            server = Server(PAIR / "target", config, scratch / f"{name}.log")
+            server = Server(model, config, scratch / f"{name}.log")
             try:
                 server.wait_ready()
+                profile = startup_profile(server.log.read_text())
+                if profile:
+                    results.setdefault("startup_profile", {})[name] = profile
+                    print(f"  start-up profile: {profile['seconds']} s", flush=True)
                 for concurrency in args.concurrency:
-                    result = bench(server.url, prompts, concurrency, scratch,
+                    result = bench(server.url, model, prompts, concurrency, scratch,
                                    f"{name}_{concurrency}.json")
                     results[str(concurrency)][name] = result
                     print(f"  concurrency {concurrency}: "
                           f"{result['output_throughput']:.1f} output tok/s, "
-                          f"TPOT {result['mean_tpot_ms']:.2f} ms", flush=True)
+                          f"TPOT {result['mean_tpot_ms']:.2f} ms"
+                          + (f", steps per node count {result['steps_per_num_nodes']}"
+                             if "steps_per_num_nodes" in result else ""), flush=True)
             finally:
                 server.stop()
     for concurrency, by_config in results.items():
+        if not concurrency.isdigit():
+            continue
+        by_config.update(ratios(by_config))
         if {"tree_k3_w4", "chain_k3"} <= by_config.keys():
             by_config["tree_over_chain"] = (by_config["tree_k3_w4"]["output_throughput"]
                                             / by_config["chain_k3"]["output_throughput"])
@@ -146,6 +226,8 @@ def main() -> None:
                   f"({fixed[best]:.0f} tok/s); " + ", ".join(
                       f"{n} {r['output_throughput'] / fixed[best]:.2f}x"
                       for n, r in by_config.items() if isinstance(r, dict)))
+    results["setup"] = {"target": args.target, "prompt_tokens": args.prompt_tokens,
+                        "output_tokens": OUTPUT_LEN, "prompts": PROMPTS_PER_CONCURRENCY}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
