@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import make_llm, plain_greedy_reference, shutdown, spec_decode_counters
+from .conftest import (
+    greedy_generate,
+    make_llm,
+    plain_greedy_reference,
+    shutdown,
+    spec_decode_counters,
+)
 from .identity import assert_greedy_identical
 from .keyed_sampling import ScoreOracle, SeededRequest, assert_seeded_identical
 from .test_mtp_tree import CONTINUATION_12
@@ -184,3 +190,33 @@ def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
     assert_greedy_identical(got, expected, "nested trees, schedule of 0 nodes")
     assert counters.get("num_draft_tokens", 0) == 0
 
+
+
+def test_requests_reach_max_model_len_with_nested_trees_of_several_sizes():
+    """Near max_model_len the runner hands the scheduler zero drafts instead
+    of drafting: they must number the nodes of the tree the next step
+    verifies (8 or all 32 here, by batch size), and drafts left from a step
+    of another size must not be verified."""
+    from .test_mtp_tree import CONTINUATION_32
+
+    _, assistant = trained_pair()
+    config = {"method": "mtp", "model": str(assistant),
+              "speculative_token_tree": str(CONTINUATION_32),
+              "num_speculative_tokens_per_batch_size": [(1, 2, 32), (3, 256, 8)]}
+    batch = prompts()[:4]
+    plain = make_llm(trained_pair()[0], max_model_len=256)
+    try:
+        expected = plain_greedy_reference(plain, batch, 256)
+    finally:
+        shutdown(plain)
+    llm = make_llm(trained_pair()[0], config, max_model_len=256)
+    try:
+        got = greedy_generate(llm, batch, 256)
+        counters = spec_decode_counters(llm)
+        sizes = tree_sizes(llm)
+    finally:
+        shutdown(llm)
+    assert all(len(p) + len(t) == 256 for p, t in zip(batch, got))
+    assert_greedy_identical(got, expected, "nested trees to max_model_len")
+    assert counters["num_accepted_tokens"] > 0
+    assert {8, 32} <= set(sizes)
