@@ -78,14 +78,24 @@ DEFAULT_CONCURRENCY = (1, 16)
 OUTPUT_LEN = 64
 
 
-def write_prompts(path: Path, prompt_tokens: int) -> None:
+def write_prompts(path: Path, prompt_tokens: int,
+                  output_tokens: tuple[int, int] | None = None) -> None:
+    """The prompts file of `vllm bench serve`; with `output_tokens`, each
+    prompt asks for its own number of tokens, drawn uniformly from that
+    range (seeded)."""
+    import random
+
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+    lengths = random.Random(0)
     with path.open("w") as f:
         for text in humaneval_prompts():
             ids = tokenizer(text, add_special_tokens=False).input_ids[-prompt_tokens:]
-            f.write(json.dumps({"prompt": tokenizer.decode(ids)}) + "\n")
+            item = {"prompt": tokenizer.decode(ids)}
+            if output_tokens:
+                item["output_tokens"] = lengths.randint(*output_tokens)
+            f.write(json.dumps(item) + "\n")
 
 
 def tree_sizes(url: str) -> dict[int, int]:
@@ -109,13 +119,15 @@ def tree_sizes(url: str) -> dict[int, int]:
 
 
 def bench(url: str, model: Path, prompts: Path, concurrency: int, result_dir: Path,
-          name: str) -> dict:
+          name: str, output_len: int = OUTPUT_LEN) -> dict:
+    """One `vllm bench serve` run; `output_len` -1: each prompt's own
+    output_tokens."""
     sizes_before = tree_sizes(url)
     command = [
         str(Path(sys.executable).with_name("vllm")), "bench", "serve",
         "--backend", "vllm", "--base-url", url, "--model", str(model),
         "--dataset-name", "custom", "--dataset-path", str(prompts),
-        "--skip-chat-template", "--custom-output-len", str(OUTPUT_LEN),
+        "--skip-chat-template", "--custom-output-len", str(output_len),
         "--num-prompts", str(PROMPTS_PER_CONCURRENCY[concurrency]), "--max-concurrency",
         str(concurrency), "--request-rate", "inf", "--temperature", "0",
         "--ignore-eos", "--seed", "0", "--disable-tqdm",
@@ -178,6 +190,9 @@ def main() -> None:
                              "(tests/benchmarks/cost_scaled_target.py)")
     parser.add_argument("--prompt-tokens", type=int, default=384,
                         help="each prompt's last tokens sent")
+    parser.add_argument("--output-tokens-range", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                        help="output tokens per prompt drawn from LOW..HIGH (seeded) "
+                             f"instead of {OUTPUT_LEN} for every prompt")
     args = parser.parse_args()
     if args.target == "trained":
         model = PAIR / "target"
@@ -189,7 +204,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         prompts = scratch / "humaneval.jsonl"
-        write_prompts(prompts, args.prompt_tokens)
+        write_prompts(prompts, args.prompt_tokens, args.output_tokens_range)
+        output_len = -1 if args.output_tokens_range else OUTPUT_LEN
         for name in args.configs:
             config = configs()[name]
             print(f"* vllm serve: {name}", flush=True)
@@ -202,7 +218,7 @@ def main() -> None:
                     print(f"  start-up profile: {profile['seconds']} s", flush=True)
                 for concurrency in args.concurrency:
                     result = bench(server.url, model, prompts, concurrency, scratch,
-                                   f"{name}_{concurrency}.json")
+                                   f"{name}_{concurrency}.json", output_len)
                     results[str(concurrency)][name] = result
                     print(f"  concurrency {concurrency}: "
                           f"{result['output_throughput']:.1f} output tok/s, "
@@ -227,7 +243,8 @@ def main() -> None:
                       f"{n} {r['output_throughput'] / fixed[best]:.2f}x"
                       for n, r in by_config.items() if isinstance(r, dict)))
     results["setup"] = {"target": args.target, "prompt_tokens": args.prompt_tokens,
-                        "output_tokens": OUTPUT_LEN, "prompts": PROMPTS_PER_CONCURRENCY}
+                        "output_tokens": args.output_tokens_range or OUTPUT_LEN,
+                        "prompts": PROMPTS_PER_CONCURRENCY}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
