@@ -24,6 +24,11 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
         adaptive_planned_32 --concurrency 1 4 16 32
 
+`--rounds N` runs every configuration N times, interleaved, and keeps each
+one's median run (serve tokens/s on this 2-core machine vary by up to 20 %
+from run to run). `--output-tokens-range LOW HIGH` gives each prompt its own
+output length instead of 64.
+
 (`vllm bench serve` reads the prompt file with pandas, from the `bench`
 extra, which installing the wheel without extras leaves out.) It writes
 docs/benchmarks/NAME.json; `el_harness.py --render-only` puts serve_bench.json
@@ -160,6 +165,16 @@ def startup_profile(log: str) -> dict | None:
     return None
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower middle one of an even count),
+    with every run's tokens/s when there were several."""
+    ordered = sorted(runs, key=lambda r: r["output_throughput"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    if len(runs) > 1:
+        median["output_throughput_runs"] = [r["output_throughput"] for r in runs]
+    return median
+
+
 def ratios(by_config: dict) -> dict:
     """Each adaptive configuration's tokens/s over the best fixed one's
     (`<name>_over_best_fixed`) and over every fixed one's
@@ -193,6 +208,10 @@ def main() -> None:
     parser.add_argument("--output-tokens-range", type=int, nargs=2, metavar=("LOW", "HIGH"),
                         help="output tokens per prompt drawn from LOW..HIGH (seeded) "
                              f"instead of {OUTPUT_LEN} for every prompt")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every configuration this many times, interleaved "
+                             "(config A, B, ..., then A, B, ... again), and report each "
+                             "one's median tokens/s with every run's")
     args = parser.parse_args()
     if args.target == "trained":
         model = PAIR / "target"
@@ -206,27 +225,33 @@ def main() -> None:
         prompts = scratch / "humaneval.jsonl"
         write_prompts(prompts, args.prompt_tokens, args.output_tokens_range)
         output_len = -1 if args.output_tokens_range else OUTPUT_LEN
-        for name in args.configs:
-            config = configs()[name]
-            print(f"* vllm serve: {name}", flush=True)
-            server = Server(model, config, scratch / f"{name}.log")
-            try:
-                server.wait_ready()
-                profile = startup_profile(server.log.read_text())
-                if profile:
-                    results.setdefault("startup_profile", {})[name] = profile
-                    print(f"  start-up profile: {profile['seconds']} s", flush=True)
-                for concurrency in args.concurrency:
-                    result = bench(server.url, model, prompts, concurrency, scratch,
-                                   f"{name}_{concurrency}.json", output_len)
-                    results[str(concurrency)][name] = result
-                    print(f"  concurrency {concurrency}: "
-                          f"{result['output_throughput']:.1f} output tok/s, "
-                          f"TPOT {result['mean_tpot_ms']:.2f} ms"
-                          + (f", steps per node count {result['steps_per_num_nodes']}"
-                             if "steps_per_num_nodes" in result else ""), flush=True)
-            finally:
-                server.stop()
+        runs: dict = {}
+        for round_index in range(args.rounds):
+            for name in args.configs:
+                config = configs()[name]
+                print(f"* vllm serve: {name}"
+                      + (f" (round {round_index + 1} of {args.rounds})"
+                         if args.rounds > 1 else ""), flush=True)
+                server = Server(model, config, scratch / f"{name}.log")
+                try:
+                    server.wait_ready()
+                    profile = startup_profile(server.log.read_text())
+                    if profile:
+                        results.setdefault("startup_profile", {})[name] = profile
+                        print(f"  start-up profile: {profile['seconds']} s", flush=True)
+                    for concurrency in args.concurrency:
+                        result = bench(server.url, model, prompts, concurrency, scratch,
+                                       f"{name}_{concurrency}.json", output_len)
+                        runs.setdefault((str(concurrency), name), []).append(result)
+                        print(f"  concurrency {concurrency}: "
+                              f"{result['output_throughput']:.1f} output tok/s, "
+                              f"TPOT {result['mean_tpot_ms']:.2f} ms"
+                              + (f", steps per node count {result['steps_per_num_nodes']}"
+                                 if "steps_per_num_nodes" in result else ""), flush=True)
+                finally:
+                    server.stop()
+        for (concurrency, name), measured in runs.items():
+            results[concurrency][name] = median_run(measured)
     for concurrency, by_config in results.items():
         if not concurrency.isdigit():
             continue
@@ -244,7 +269,7 @@ def main() -> None:
                       for n, r in by_config.items() if isinstance(r, dict)))
     results["setup"] = {"target": args.target, "prompt_tokens": args.prompt_tokens,
                         "output_tokens": args.output_tokens_range or OUTPUT_LEN,
-                        "prompts": PROMPTS_PER_CONCURRENCY}
+                        "prompts": PROMPTS_PER_CONCURRENCY, "rounds": args.rounds}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
