@@ -213,6 +213,12 @@ def main() -> None:
                              "(config A, B, ..., then A, B, ... again), and report each "
                              "one's median tokens/s with every run's")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.output_tokens_range and not 1 <= args.output_tokens_range[0] <= \
+            args.output_tokens_range[1]:
+        parser.error("--output-tokens-range needs 1 <= LOW <= HIGH, got "
+                     f"{args.output_tokens_range}")
     if args.target == "trained":
         model = PAIR / "target"
     else:
