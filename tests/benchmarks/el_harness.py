@@ -730,6 +730,13 @@ SWEEP_CONFIGS = {
 }
 
 
+def sweep_cell(result: dict) -> str:
+    """Tokens/s of a configuration's median run, and the range of its runs."""
+    runs = result.get("output_throughput_runs")
+    cell = f"{result['output_throughput']:.0f}"
+    return f"{cell} ({min(runs):.0f}–{max(runs):.0f})" if runs else cell
+
+
 def render_load_sweeps(out: Path) -> list[str]:
     """The load sweeps of tests/benchmarks/serve_bench.py (serve_sweep*.json):
     tokens/s of every configuration by concurrency, adaptive over the best
@@ -749,46 +756,44 @@ def render_load_sweeps(out: Path) -> list[str]:
         "token_tree.md, \"Tree size by load\"): each step drafts the n nodes of the "
         "envelope tree that its measured acceptance and step-time table favour.",
         "",
-        "Where adaptive falls short of the best fixed configuration (trained pair, "
-        "concurrency 16, measured with timers around the scheduler and the worker "
-        "and with py-spy): tree mode itself costs nothing at n = 0. A tree server "
-        "pinned to n = 0 (`num_speculative_tokens_per_batch_size` `[[1, 256, 0]]`) "
-        "ran 2,285 tok/s against plain's 2,321 in the same sitting, with the same "
-        "steps (369 decode steps of 5.3 ms against 371 of 5.2 ms). Async scheduling "
-        "plays no part: vLLM's CPU platform turns it off for every configuration. "
-        "In process (96 prompts, batch 16) adaptive ran 0.96x plain. Under `vllm "
-        "serve` it ran 1,313 to 1,983 tok/s in four runs (0.57x to 0.84x plain), "
-        "and 1,885 against plain's 2,357 with output lengths drawn from 32 to 96 "
-        "(`--output-tokens-range 32 96`), so plain's requests finishing in "
-        "lockstep is not the reason. In the run at 1,983 the worker's "
-        "`execute_model` and `sample_tokens` took 2.38 s against plain's 2.11 s "
-        "for the same tokens (its tree steps and drafting, and 66 steps that "
-        "prefill beside decodes against 19: requests finish out of step once some "
-        "steps verify trees), yet the run took 0.5 s longer than plain's. The "
-        "rest is outside the worker: py-spy found adaptive's engine-core process "
-        "with no Python frame in 148 of its 908 samples (plain's: 0 of 709), "
-        "while this machine's 2 cores also run the worker's 2 OpenMP threads, the "
-        "engine core's polling loop, the API server and the benchmark client. "
-        "The start-up profile, run before any of them is busy, also underestimates "
-        "tree steps under `vllm serve` (21 ms measured at 16 requests against 13 "
-        "to 18 ms profiled). Three interleaved rounds (`--rounds 3`, "
-        "docs/benchmarks/serve_rounds_trained.json, medians) put plain, chain K=3, "
-        "the K=3 W=4 tree and adaptive within 4 % of each other at concurrency 1 "
-        "(309, 316, 315 and 304 tok/s; one configuration's runs spread by up to "
-        "5 %), and plain ahead at 4 (1,073 against 851, 866 and 830). At 4, "
-        "adaptive keeps n = 4: its table predicts 965 tok/s for n = 4 (11.9 ms "
-        "steps, E[L] 2.86, both measured while serving) against 818 for n = 0, "
-        "whose steps cost 4.0 ms in tree mode against plain's 3.85 (medians of "
-        "744 steps each), and its decode-step model leaves out what speculation "
-        "adds elsewhere (steps that prefill beside decodes, the steps that switch "
-        "sizes). "
-        "On the cost-scaled target the start-up profile reached batch sizes 1 to 4 "
-        "(the K=3 W=4 envelope, 5.5 s) and 1 and 2 (the planned 32 nodes, 5.3 s); "
-        "larger batches are extrapolated from them and corrected where the choice "
-        "runs. Adaptive came within 0.94x (K=3 W=4) and 0.96x (planned 32) of "
-        "chain K=3 at concurrency 1; at 32 the K=3 W=4 envelope settled on n = 0 "
-        "(251 of 259 steps, 0.86x chain K=1) where one node is best, while the "
-        "planned envelope, whose top node is the same, found n = 1 (0.98x).",
+        "Three changes since the previous sweep. A step that drafts no tree makes "
+        "no round trip to the worker for drafts (it cost 0.5 ms a step, about 10 % "
+        "of a decode step at 4 requests: a tree server pinned to n = 0 "
+        "(`num_speculative_tokens_per_batch_size` `[[1, 256, 0]]`) now runs as fast "
+        "as plain, 1,004 to 1,023 tok/s against 987 to 1,063 at concurrency 4, "
+        "2,436 to 2,767 against 2,662 to 2,782 at 16, three rounds each). Served "
+        "steps rescale a whole row of the step-time table, every node count alike, "
+        "before they correct their own cell, and only steps of a profiled batch "
+        "size correct a cell: before, a few slow steps at n = 0 (timed around a "
+        "request's turnover, at 3 requests between the rows for 2 and 4) raised "
+        "n = 0's cell by a third while the tree sizes kept the profile's, and "
+        "adaptive kept drafting at concurrency 4 where plain is best. And from "
+        "n = 0, a size must also pay for its first step, which verifies no drafts, "
+        "over the steps a batch size has been lasting.",
+        "",
+        "Where adaptive still falls short (trained pair): at concurrency 1 every "
+        "configuration is within 7 % of the others (plain 298 to 307, chain K=3 "
+        "314 to 318), and adaptive, which stays at n = 0 there (its table predicts "
+        "a 12-node tree 7 % ahead, less than its first step costs), runs as plain. "
+        "At 16 it drafts on fewer than 1 % of steps and still trails plain by "
+        "8 % (median of three; its runs 2,347 to 2,787, plain's 2,677 to 2,825), "
+        "and the planned-32 envelope by more. With output lengths drawn from 32 "
+        "to 96 (`--output-tokens-range 32 96`), at 4 requests, two runs of each: "
+        "adaptive 709 and 929 tok/s (n = 0 on 843 of 847 and 810 of 826 steps), "
+        "a tree server pinned to n = 0 868 and 1,005, plain 944. Timers inside "
+        "the worker in the second pair of runs: `execute_model` took 2.53 s "
+        "against the pinned server's 2.47 s; the rest of the gap was the probe "
+        "steps' drafting (0.07 s) and the scheduler (0.12 s, with the choice "
+        "logged every step). Runs of one configuration under `vllm serve` on this "
+        "machine spread as widely as the gaps being judged. "
+        "On the cost-scaled target, where speculation pays, adaptive over the "
+        "planned 32-node envelope came within 3 % of the best fixed configuration "
+        "at every concurrency (1.00, 1.00, 0.97, 1.02; n = 6, then 4, then 1). "
+        "Over the K=3 W=4 envelope it settled on n = 0 at 32 requests (253 of 259 "
+        "steps, 0.82x chain K=1) where one node is best: its start-up profile "
+        "reached batch sizes 1 to 4 (5.3 s), and row 32 is extrapolated from them, "
+        "while the planned envelope (the same top node; profiled at 1 and 2, "
+        "5.1 s) found n = 1.",
         "",
         "![tokens/s by concurrency](benchmarks/serve_sweep.png)",
         "",
@@ -804,6 +809,13 @@ def render_load_sweeps(out: Path) -> list[str]:
             "per concurrency: " + ", ".join(
                 f"{c}: {n}" for c, n in setup.get("prompts", {}).items()) + ".",
             "",
+        ]
+        rounds = setup.get("rounds", 1)
+        if rounds > 1:
+            lines += [f"Every configuration ran {rounds} times, interleaved (`--rounds "
+                      f"{rounds}`); each cell is its median run, with its lowest and "
+                      "highest in brackets.", ""]
+        lines += [
             "| concurrency | " + " | ".join(SWEEP_CONFIGS[c] for c in configs)
             + " | best fixed |",
             "|---|" + "---|" * (len(configs) + 1),
@@ -814,7 +826,7 @@ def render_load_sweeps(out: Path) -> list[str]:
                      if not n.startswith("adaptive")}
             best = max(fixed, key=fixed.get)
             lines.append(f"| {c} | " + " | ".join(
-                f"{by_config[n]['output_throughput']:.0f}" for n in configs)
+                sweep_cell(by_config[n]) for n in configs)
                 + f" | {SWEEP_CONFIGS[best]} |")
         adaptive = [n for n in configs if n.startswith("adaptive")]
         fixed_names = [n for n in configs if not n.startswith("adaptive")]
