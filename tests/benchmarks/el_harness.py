@@ -769,7 +769,14 @@ def render_load_sweeps(out: Path) -> list[str]:
         "n = 0's cell by a third while the tree sizes kept the profile's, and "
         "adaptive kept drafting at concurrency 4 where plain is best. And from "
         "n = 0, a size must also pay for its first step, which verifies no drafts, "
-        "over the steps a batch size has been lasting.",
+        "over the steps a batch size has been lasting. After these sweeps that "
+        "span got a floor of 8 steps (without it, a batch that shrinks by one "
+        "request every step or two never drafted, whatever the gain). Two "
+        "interleaved rounds of the final build on the trained pair, tok/s at "
+        "concurrency 1, 4, 16 and 32: plain 298/300, 875/1,045, 2,502/2,730, "
+        "3,270/3,792; adaptive K=3 W=4 272/299, 789/968, 2,053/2,716, "
+        "3,224/3,834; adaptive planned 32 295/284, 965/1,006, 2,318/2,657, "
+        "3,136/3,688.",
         "",
         "Where adaptive still falls short (trained pair): at concurrency 1 every "
         "configuration is within 7 % of the others (plain 298 to 307, chain K=3 "
