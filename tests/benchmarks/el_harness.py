@@ -730,6 +730,14 @@ SWEEP_CONFIGS = {
 }
 
 
+def output_tokens(setting: int | list[int]) -> str:
+    """A sweep's output tokens per prompt: fixed, or drawn from a range."""
+    if isinstance(setting, int):
+        return f"{setting} for every prompt"
+    low, high = setting
+    return f"drawn per prompt from {low} to {high} (seeded, `--output-tokens-range {low} {high}`)"
+
+
 def sweep_cell(result: dict) -> str:
     """Tokens/s of a configuration's median run, and the range of its runs."""
     runs = result.get("output_throughput_runs")
@@ -750,57 +758,68 @@ def render_load_sweeps(out: Path) -> list[str]:
         "",
         "`vllm bench serve` against upstream `vllm serve`, every configuration side by "
         "side in one sitting (`tests/benchmarks/serve_bench.py --configs ... "
-        "--concurrency 1 4 16 32`; greedy, HumanEval prompts, 64 output tokens, "
+        "--concurrency 1 4 16 32`; greedy, HumanEval prompts, output lengths as each "
+        "sweep states, "
         "`--max-concurrency` C), output tokens/s. Adaptive is "
         "`enable_adaptive_verification` in tree mode (docs/features/speculative_decoding/"
         "token_tree.md, \"Tree size by load\"): each step drafts the n nodes of the "
         "envelope tree that its measured acceptance and step-time table favour.",
         "",
-        "Three changes since the previous sweep. A step that drafts no tree makes "
-        "no round trip to the worker for drafts (it cost 0.5 ms a step, about 10 % "
-        "of a decode step at 4 requests: a tree server pinned to n = 0 "
-        "(`num_speculative_tokens_per_batch_size` `[[1, 256, 0]]`) now runs as fast "
-        "as plain, 1,004 to 1,023 tok/s against 987 to 1,063 at concurrency 4, "
-        "2,436 to 2,767 against 2,662 to 2,782 at 16, three rounds each). Served "
-        "steps rescale a whole row of the step-time table, every node count alike, "
-        "before they correct their own cell, and only steps of a profiled batch "
-        "size correct a cell: before, a few slow steps at n = 0 (timed around a "
-        "request's turnover, at 3 requests between the rows for 2 and 4) raised "
-        "n = 0's cell by a third while the tree sizes kept the profile's, and "
-        "adaptive kept drafting at concurrency 4 where plain is best. And from "
-        "n = 0, a size must also pay for its first step, which verifies no drafts, "
-        "over the steps a batch size has been lasting. After these sweeps that "
-        "span got a floor of 8 steps (without it, a batch that shrinks by one "
-        "request every step or two never drafted, whatever the gain). Two "
-        "interleaved rounds of the final build on the trained pair, tok/s at "
-        "concurrency 1, 4, 16 and 32: plain 298/300, 875/1,045, 2,502/2,730, "
-        "3,270/3,792; adaptive K=3 W=4 272/299, 789/968, 2,053/2,716, "
-        "3,224/3,834; adaptive planned 32 295/284, 965/1,006, 2,318/2,657, "
-        "3,136/3,688.",
+        "What changed since the previous sweep. (1) Longer runs: on the trained pair "
+        "a run at 16 or 32 requests took about 2 s (96 and 128 prompts) and runs of "
+        "one configuration spread by up to 20 %; now 40, 128, 320 and 448 prompts "
+        "at 1, 4, 16 and 32 requests, about 8 s of plain decoding each, and the "
+        "spread of plain's three runs is at most 11 %. (2) Output lengths drawn per "
+        "prompt from 32 to 96 tokens (mean 64) in both sweeps. With 64 tokens for "
+        "every prompt, requests that start together end together and the next ones "
+        "arrive as one wave: on the cost-scaled target at 32 requests (64 prompts, "
+        "one run each, step timers in the engine) plain decoding's two prefill "
+        "steps of 1,985 prompt tokens took 22.7 s and 18.1 s of its 49.7 s (about "
+        "11 ms per prompt token in a step that size, 2 to 3 ms in chunks of a few "
+        "hundred), while chain K=1's requests ended at different steps and its "
+        "later prompts came in chunks of 126 to 490 tokens: 82 against 113 tok/s, "
+        "from prefill (41.0 against 28.4 s; their decode steps took 8.6 and "
+        "8.0 s). That wave is the benchmark's, not the traffic's; with "
+        "drawn lengths plain decoding is the best fixed configuration at 32 "
+        "requests there. (3) The start-up profile times every other batch size "
+        "and the largest first (1, 4, 16, 64, then 2, 8, 32), each only if its "
+        "time, predicted from those already timed, fits in 8 s, so that a profile "
+        "cut short still spans the batch sizes served. On the trained pair it "
+        "timed every batch size as before (3.0 and 6.7 s); on the cost-scaled "
+        "target it reached batch sizes 1, 2 and 4 (K=3 W=4, 5.3 s) and 1 and 2 "
+        "(planned 32, 5.1 s) in these sweeps, and 1, 2, 4 and 8 (8.4 s) in "
+        "another start of the K=3 W=4 server. (4) The first drafting step's cost "
+        "is spread over the steps a batch size lasts or, if longer, the current "
+        "batch size's run so far (at one request the batch size never changes, "
+        "and the cost stayed spread over 8 steps). After the sweeps the "
+        "step-time table's corrections were rewritten in Python floats (the "
+        "same arithmetic, 9 instead of 17 microseconds of scheduler time per "
+        "step).",
         "",
-        "Where adaptive still falls short (trained pair): at concurrency 1 every "
-        "configuration is within 7 % of the others (plain 298 to 307, chain K=3 "
-        "314 to 318), and adaptive, which stays at n = 0 there (its table predicts "
-        "a 12-node tree 7 % ahead, less than its first step costs), runs as plain. "
-        "At 16 it drafts on fewer than 1 % of steps and still trails plain by "
-        "8 % (median of three; its runs 2,347 to 2,787, plain's 2,677 to 2,825), "
-        "and the planned-32 envelope by more. With output lengths drawn from 32 "
-        "to 96 (`--output-tokens-range 32 96`), at 4 requests, two runs of each: "
-        "adaptive 709 and 929 tok/s (n = 0 on 843 of 847 and 810 of 826 steps), "
-        "a tree server pinned to n = 0 868 and 1,005, plain 944. Timers inside "
-        "the worker in the second pair of runs: `execute_model` took 2.53 s "
-        "against the pinned server's 2.47 s; the rest of the gap was the probe "
-        "steps' drafting (0.07 s) and the scheduler (0.12 s, with the choice "
-        "logged every step). Runs of one configuration under `vllm serve` on this "
-        "machine spread as widely as the gaps being judged. "
-        "On the cost-scaled target, where speculation pays, adaptive over the "
-        "planned 32-node envelope came within 3 % of the best fixed configuration "
-        "at every concurrency (1.00, 1.00, 0.97, 1.02; n = 6, then 4, then 1). "
-        "Over the K=3 W=4 envelope it settled on n = 0 at 32 requests (253 of 259 "
-        "steps, 0.82x chain K=1) where one node is best: its start-up profile "
-        "reached batch sizes 1 to 4 (5.3 s), and row 32 is extrapolated from them, "
-        "while the planned envelope (the same top node; profiled at 1 and 2, "
-        "5.1 s) found n = 1.",
+        "Where adaptive still falls short. Plain decoding is the best fixed "
+        "configuration on the trained pair from 4 requests up, and adaptive "
+        "stays at n = 0 there (97 % to 100 % of steps), yet runs 1 % to 7 % behind "
+        "plain. Step timers inside the engine at one request (40 prompts): a "
+        "step at n = 0 took 3.20 ms on a tree server pinned to n = 0 against "
+        "plain's 3.03 ms (the worker's `execute_model` 2.43 against 2.37 ms, "
+        "median), which is the per-step cost of serving with a drafter at all "
+        "(upstream's speculative bookkeeping for the Gemma 4 assistant and the "
+        "tree's own); adaptive adds its choice in the scheduler (0.10 ms a step "
+        "there, under the load of a server and its client on 2 cores, before "
+        "the rewrite above) and the probe steps (about 1 % of steps). At one "
+        "request every configuration is within 3 % of the others but planned "
+        "12 and chain K=1 (plain 315, chain K=3 321, tree K=3 W=4 319 tok/s), "
+        "and adaptive runs at n = 0 or drafts 6 to 12 nodes from one run to the "
+        "next, 0.86x to 0.92x of the best either way (median 0.91x). On the "
+        "cost-scaled target, at one "
+        "request the 3-node chain beats every tree (76 against 72 tok/s for "
+        "planned 12): the planned 32-node envelope's first 3 nodes are that "
+        "chain, and adaptive chose 6 and 8 nodes (0.94x), over-predicting what "
+        "the deeper nodes yield; over the K=3 W=4 envelope, whose ranking puts a "
+        "sibling before the third depth, it chose 4 (0.91x). At 32 requests the "
+        "planned envelope's profile timed batch sizes 1 and 2 only (11 node "
+        "counts on a slow target), and extrapolated from them it drafted 2 "
+        "nodes where plain is best (0.87x).",
         "",
         "![tokens/s by concurrency](benchmarks/serve_sweep.png)",
         "",
@@ -812,8 +831,9 @@ def render_load_sweeps(out: Path) -> list[str]:
         lines += [
             f"### {label.capitalize()}",
             "",
-            f"Prompts: their last {setup.get('prompt_tokens', 384)} tokens; prompts sent "
-            "per concurrency: " + ", ".join(
+            f"Prompts: their last {setup.get('prompt_tokens', 384)} tokens; output "
+            "tokens: " + output_tokens(setup.get("output_tokens", 64))
+            + "; prompts sent per concurrency: " + ", ".join(
                 f"{c}: {n}" for c, n in setup.get("prompts", {}).items()) + ".",
             "",
         ]

@@ -22,12 +22,20 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --out docs/benchmarks
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --name serve_sweep \
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
-        adaptive_planned_32 --concurrency 1 4 16 32
+        adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
+        --rounds 3
+    # the same sweep on the cost-scaled target, one round:
+    build/test-venv/bin/python tests/benchmarks/serve_bench.py \
+        --name serve_sweep_cost_scaled --target cost_scaled --prompt-tokens 64 \
+        --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
+        adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96
 
 `--rounds N` runs every configuration N times, interleaved, and keeps each
 one's median run (serve tokens/s on this 2-core machine vary by up to 20 %
 from run to run). `--output-tokens-range LOW HIGH` gives each prompt its own
-output length instead of 64.
+output length instead of 64 (the load sweeps: with one length for all,
+requests that start together end together and plain decoding prefills the
+next ones as one large wave, which speculation breaks up).
 
 (`vllm bench serve` reads the prompt file with pandas, from the `bench`
 extra, which installing the wheel without extras leaves out.) It writes
@@ -75,9 +83,14 @@ def configs() -> dict[str, dict | None]:
     }
 
 
-# Concurrent requests -> prompts sent.
-PROMPTS_PER_CONCURRENCY = {1: 24, 4: 48, 16: 96, 32: 128}
-TARGETS = ("trained", "cost_scaled")
+# Target -> concurrent requests -> prompts sent: about 8 s of the trained
+# pair's plain decoding per run (runs of 2 s varied by up to 20 %), and at
+# least 45 s of the cost-scaled target's.
+PROMPTS_PER_CONCURRENCY = {
+    "trained": {1: 40, 4: 128, 16: 320, 32: 448},
+    "cost_scaled": {1: 24, 4: 48, 16: 96, 32: 128},
+}
+TARGETS = tuple(PROMPTS_PER_CONCURRENCY)
 DEFAULT_CONFIGS = ("plain", "chain_k3", "tree_k3_w4")
 DEFAULT_CONCURRENCY = (1, 16)
 OUTPUT_LEN = 64
@@ -123,17 +136,17 @@ def tree_sizes(url: str) -> dict[int, int]:
     return steps
 
 
-def bench(url: str, model: Path, prompts: Path, concurrency: int, result_dir: Path,
-          name: str, output_len: int = OUTPUT_LEN) -> dict:
-    """One `vllm bench serve` run; `output_len` -1: each prompt's own
-    output_tokens."""
+def bench(url: str, model: Path, prompts: Path, concurrency: int, num_prompts: int,
+          result_dir: Path, name: str, output_len: int = OUTPUT_LEN) -> dict:
+    """One `vllm bench serve` run of `num_prompts` prompts; `output_len` -1:
+    each prompt's own output_tokens."""
     sizes_before = tree_sizes(url)
     command = [
         str(Path(sys.executable).with_name("vllm")), "bench", "serve",
         "--backend", "vllm", "--base-url", url, "--model", str(model),
         "--dataset-name", "custom", "--dataset-path", str(prompts),
         "--skip-chat-template", "--custom-output-len", str(output_len),
-        "--num-prompts", str(PROMPTS_PER_CONCURRENCY[concurrency]), "--max-concurrency",
+        "--num-prompts", str(num_prompts), "--max-concurrency",
         str(concurrency), "--request-rate", "inf", "--temperature", "0",
         "--ignore-eos", "--seed", "0", "--disable-tqdm",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
@@ -197,7 +210,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
                         choices=list(configs()))
     parser.add_argument("--concurrency", type=int, nargs="+",
-                        default=DEFAULT_CONCURRENCY, choices=list(PROMPTS_PER_CONCURRENCY))
+                        default=DEFAULT_CONCURRENCY,
+                        choices=list(PROMPTS_PER_CONCURRENCY["trained"]))
     parser.add_argument("--name", default="serve_bench",
                         help="results go to OUT/NAME.json")
     parser.add_argument("--target", choices=TARGETS, default="trained",
@@ -246,8 +260,9 @@ def main() -> None:
                         results.setdefault("startup_profile", {})[name] = profile
                         print(f"  start-up profile: {profile['seconds']} s", flush=True)
                     for concurrency in args.concurrency:
-                        result = bench(server.url, model, prompts, concurrency, scratch,
-                                       f"{name}_{concurrency}.json", output_len)
+                        result = bench(server.url, model, prompts, concurrency,
+                                       PROMPTS_PER_CONCURRENCY[args.target][concurrency],
+                                       scratch, f"{name}_{concurrency}.json", output_len)
                         runs.setdefault((str(concurrency), name), []).append(result)
                         print(f"  concurrency {concurrency}: "
                               f"{result['output_throughput']:.1f} output tok/s, "
@@ -275,7 +290,8 @@ def main() -> None:
                       for n, r in by_config.items() if isinstance(r, dict)))
     results["setup"] = {"target": args.target, "prompt_tokens": args.prompt_tokens,
                         "output_tokens": args.output_tokens_range or OUTPUT_LEN,
-                        "prompts": PROMPTS_PER_CONCURRENCY, "rounds": args.rounds}
+                        "prompts": PROMPTS_PER_CONCURRENCY[args.target],
+                        "rounds": args.rounds}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 

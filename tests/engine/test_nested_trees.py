@@ -63,7 +63,7 @@ def synthetic_step_times(llm, monkeypatch) -> None:
     chooser = llm.llm_engine.engine_core.engine_core.scheduler.tree_size_chooser
     assert chooser.seconds is not None, "the start-up profile did not run"
     monkeypatch.setattr(tree_sizing.TreeSizeChooser, "_correct_cells",
-                        lambda self, seconds, batch_size, num_nodes: None)
+                        lambda self, seconds, batch_size, num_nodes: [])
     paths = chooser.nested.ranked_paths
     depths = [max((len(p) for p in paths[:n]), default=0) for n in chooser.node_counts]
     chooser.seconds = np.array([
