@@ -799,7 +799,10 @@ def render_load_sweeps(out: Path) -> list[str]:
         "drafts adds (see the planned envelope at 32 requests below; one run "
         "each after the change, cost-scaled target, 32 requests: plain 136.8, "
         "adaptive planned 32 133.6 tok/s at n = 0 on 229 of 263 steps, "
-        "adaptive K=3 W=4 149.3).",
+        "adaptive K=3 W=4 149.3; a second pair of runs at 1, 4, 16 and 32 "
+        "requests: adaptive planned 32 70.0, 146.3, 154.6 and 142.4, plain 33.8, "
+        "100.3, 176.8 and 156.8, so at 16 requests the planned envelope, at 1 and "
+        "2 nodes, still trails plain).",
         "",
         "Where adaptive still falls short. Plain decoding is the best fixed "
         "configuration on the trained pair from 4 requests up, and adaptive "
