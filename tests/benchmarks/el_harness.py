@@ -846,7 +846,8 @@ def render_load_sweeps(out: Path) -> list[str]:
             f"Prompts: their last {setup.get('prompt_tokens', 384)} tokens; output "
             "tokens: " + output_tokens(setup.get("output_tokens", 64))
             + "; prompts sent per concurrency: " + ", ".join(
-                f"{c}: {n}" for c, n in setup.get("prompts", {}).items()) + ".",
+                f"{c}: {n}" for c, n in setup.get("prompts", {}).items()) + "."
+            + (f" Served by vLLM {setup['vllm']}." if "vllm" in setup else ""),
             "",
         ]
         rounds = setup.get("rounds", 1)

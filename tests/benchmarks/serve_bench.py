@@ -178,6 +178,15 @@ def startup_profile(log: str) -> dict | None:
     return None
 
 
+def served_version() -> str:
+    """The installed vLLM's version, which `vllm serve` runs (the patched
+    wheel's names the stack's commit; vllm.__version__ leaves it out)."""
+    import importlib.metadata
+
+    (distribution,) = importlib.metadata.packages_distributions()["vllm"]
+    return importlib.metadata.version(distribution)
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run of median tokens/s (the lower middle one of an even count),
     with every run's tokens/s when there were several."""
@@ -291,7 +300,7 @@ def main() -> None:
     results["setup"] = {"target": args.target, "prompt_tokens": args.prompt_tokens,
                         "output_tokens": args.output_tokens_range or OUTPUT_LEN,
                         "prompts": PROMPTS_PER_CONCURRENCY[args.target],
-                        "rounds": args.rounds}
+                        "rounds": args.rounds, "vllm": served_version()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
