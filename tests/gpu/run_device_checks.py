@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Device checks of tree verify on CUDA: the patched Triton unified attention
-kernel, compiled on the GPU, against a dense reference, then timed for chain
-and tree verify at Gemma 4 E4B and 31B attention shapes.
+kernel, compiled on the GPU, against a dense reference and replayed from a
+CUDA graph; a whole verify step at Gemma 4 E4B shapes timed, and the tokens/s
+of each configuration projected from it; the kernel timed for chain and tree
+verify at Gemma 4 E4B and 31B attention shapes.
 
 Needs only torch and Triton: the kernel's two source files are loaded from the
 patched tree under stand-ins for the few vllm modules they import, so vLLM
@@ -9,21 +11,30 @@ need not be installed on the GPU machine. From the repository root, after
 `bash ci/test.sh` laid out the patched tree in build/vllm-patched:
 
     python tests/gpu/run_device_checks.py --out docs/benchmarks-gpu.json
+    python tests/gpu/run_device_checks.py --render docs/benchmarks-gpu.json
 
-(with the device tool, carry build/vllm-patched/vllm/v1/attention/ops). About
-5 minutes on one H200: (a) correctness cases in bfloat16, every row against a
-float32 dense reference, and a negative control (the mask dropped) that must
-fail; (b) verify attention per layer for chain K=3 (4 query rows per request)
-and trees of 12, 16 and 32 nodes (leaf-sibling, W=4), contexts 1k / 8k / 32k,
-batch 1 / 8 / 32, and the whole model's attention time per extra node.
+(with the device tool, carry build/vllm-patched/vllm/v1/attention/ops). On one
+H200, in at most about 8 minutes (no timing starts past --time-limit-s):
+(a) correctness cases in bfloat16, every row against a float32 dense
+reference, and a negative control (the mask dropped) that must fail; (b) the
+tree kernel captured in a CUDA graph and replayed after rewriting its buffers
+for other batches, against eager calls, with a negative control; (c) the
+whole step (tests/gpu/verify_step.py) at n = 0, 3, 12, 16 and 32 nodes, batch
+1 / 4 / 16 / 64, contexts 1k / 8k, the projected tokens/s and the node count
+an adaptive choice would take per batch size; (d) verify attention per layer
+for chain K=3 (4 query rows per request) and trees of 12, 16 and 32 nodes
+(leaf-sibling, W=4), contexts 1k / 8k / 32k, batch 1 / 8 / 32, and the whole
+model's attention time per extra node. The second command puts the figures
+into docs/benchmarks-gpu.md.
 
-Shapes, from the published configs: E4B has 42 layers (35 sliding: 8 query
-heads, 2 KV heads, head_dim 256, window 512; 7 full: head_dim 512, 2 KV
+Attention shapes, from the published configs: E4B has 42 layers (35 sliding: 8
+query heads, 2 KV heads, head_dim 256, window 512; 7 full: head_dim 512, 2 KV
 heads); 31B has 60 layers (50 sliding: 32 query heads, 16 KV heads, head_dim
 256, window 1024; 10 full: head_dim 512, 4 KV heads).
 
 Without a GPU, `TRITON_INTERPRET=1 python tests/gpu/run_device_checks.py
---smoke` runs the same code on CPU tensors at tiny sizes.
+--smoke` runs the same code on CPU tensors in float32 at tiny sizes, the
+graph replays as repeated eager calls on the same rewritten buffers.
 """
 
 from __future__ import annotations
@@ -41,8 +52,23 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.gpu import verify_step  # noqa: E402
+from tests.gpu.tree_batches import (  # noqa: E402
+    BLOCK_SIZE,
+    Replay,
+    Request,
+    batch_metadata,
+    leaf_sibling_tree,
+    make_inputs,
+    planned_tree,
+    random_tree,
+    run,
+    time_ms,
+)
+
 KERNEL_FILES = ("triton_unified_attention.py", "triton_attention_helpers.py")
-BLOCK_SIZE = 16
 
 # name -> {layer kind: (layers, query heads, KV heads, head_dim, window)}
 MODELS = {
@@ -119,131 +145,6 @@ def load_unified_attention(vllm_src: Path):
     sys.path.insert(0, str(package))
     module = importlib.import_module("vllm.v1.attention.ops.triton_unified_attention")
     return module.unified_attention
-
-
-def leaf_sibling_tree(num_nodes: int, width: int = 4) -> list[tuple[int, ...]]:
-    """A spine of num_nodes / width with width - 1 siblings per depth."""
-    paths, spine = [], ()
-    for _ in range(num_nodes // width):
-        paths += [spine + (rank,) for rank in range(width)]
-        spine += (0,)
-    return sorted(paths, key=lambda p: (len(p), p))
-
-
-def random_tree(rng: random.Random, num_nodes: int) -> list[tuple[int, ...]]:
-    """A random tree, breadth-first: each node a new child of the root or of
-    an earlier node."""
-    paths: list[tuple[int, ...]] = []
-    children: dict[tuple[int, ...], int] = {}
-    for _ in range(num_nodes):
-        parent = rng.choice([(), *paths])
-        rank = children.get(parent, 0)
-        children[parent] = rank + 1
-        paths.append(parent + (rank,))
-    return sorted(paths, key=lambda p: (len(p), p))
-
-
-def tree_rows(paths: list[tuple[int, ...]], num_nodes: int):
-    """Per query row (root, then the first num_nodes nodes): the ancestor
-    bitmask over the rows and the depth."""
-    paths = paths[:num_nodes]
-    index = {path: i + 1 for i, path in enumerate(paths)}
-    masks, depths = [1], [0]
-    for path in paths:
-        mask = 1 | (1 << index[path])
-        for end in range(1, len(path)):
-            mask |= 1 << index[path[:end]]
-        masks.append(mask)
-        depths.append(len(path))
-    return masks, depths
-
-
-class Request:
-    """A prefill chunk (query_len > 1, no tree), a plain decode, or a tree of
-    which the first num_nodes nodes are verified."""
-
-    def __init__(self, context_len, query_len=1, paths=None, num_nodes=None):
-        self.context_len = context_len
-        self.masks, self.depths = [-1] * query_len, [None] * query_len
-        if paths is not None:
-            num_nodes = len(paths) if num_nodes is None else num_nodes
-            self.masks, self.depths = tree_rows(paths, num_nodes)
-            query_len = 1 + num_nodes
-        self.query_len = query_len
-        self.seq_len = context_len + query_len
-
-    def shifts(self) -> list[int]:
-        return [0 if d is None else i - d for i, d in enumerate(self.depths)]
-
-
-def make_inputs(
-    requests, num_heads, num_kv_heads, head_size, dtype, device, randomize=True
-):
-    num_tokens = sum(r.query_len for r in requests)
-    max_blocks = max(-(-r.seq_len // BLOCK_SIZE) for r in requests)
-    num_blocks = len(requests) * max_blocks + 1
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
-    make = torch.randn if randomize else torch.empty
-    query = make(num_tokens, num_heads, head_size, dtype=dtype, device=device)
-    key_cache = make(*shape, dtype=dtype, device=device)
-    value_cache = make(*shape, dtype=dtype, device=device)
-    block_table = (
-        torch.arange(len(requests) * max_blocks, dtype=torch.int32, device=device).view(
-            len(requests), max_blocks
-        )
-        + 1
-    )
-    query_lens = torch.tensor([r.query_len for r in requests], device=device)
-    cu_seqlens_q = torch.zeros(len(requests) + 1, dtype=torch.int32, device=device)
-    cu_seqlens_q[1:] = query_lens.cumsum(0)
-    seq_lens = torch.tensor(
-        [r.seq_len for r in requests], dtype=torch.int32, device=device
-    )
-    tree_mask = torch.tensor(
-        [m for r in requests for m in r.masks], dtype=torch.int64, device=device
-    )
-    tree_shift = torch.tensor(
-        [s for r in requests for s in r.shifts()], dtype=torch.int32, device=device
-    )
-    return dict(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_table=block_table,
-        cu_seqlens_q=cu_seqlens_q,
-        seq_lens=seq_lens,
-        max_seqlen_q=int(query_lens.max()),
-        max_seqlen_k=int(seq_lens.max()),
-        tree_mask=tree_mask,
-        tree_shift=tree_shift,
-    )
-
-
-def run(unified_attention, inputs, window, use_tree=True):
-    output = torch.empty_like(inputs["query"])
-    num_seqs, num_kv_heads = len(inputs["seq_lens"]), inputs["key_cache"].shape[2]
-    ones = torch.ones(num_seqs, num_kv_heads, device=output.device)
-    unified_attention(
-        q=inputs["query"],
-        k=inputs["key_cache"],
-        v=inputs["value_cache"],
-        out=output,
-        cu_seqlens_q=inputs["cu_seqlens_q"],
-        max_seqlen_q=inputs["max_seqlen_q"],
-        seqused_k=inputs["seq_lens"],
-        max_seqlen_k=inputs["max_seqlen_k"],
-        softmax_scale=inputs["query"].shape[-1] ** -0.5,
-        causal=True,
-        window_size=(window - 1, 0) if window else (-1, -1),
-        block_table=inputs["block_table"],
-        softcap=0,
-        q_descale=None,
-        k_descale=ones,
-        v_descale=ones,
-        tree_mask=inputs["tree_mask"] if use_tree else None,
-        tree_pos_shift=inputs["tree_shift"] if use_tree else None,
-    )
-    return output
 
 
 def reference(requests, inputs, window):
@@ -338,28 +239,122 @@ def correctness(unified_attention, device, dtype, smoke: bool) -> dict:
     return results
 
 
-def time_ms(function, device, repeats: int) -> float:
-    function()  # compile and warm up
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start, end = (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
+def graph_replay(unified_attention, device, dtype, smoke: bool) -> dict:
+    """The tree variant of the kernel captured once in a CUDA graph on fixed
+    per-token buffers, as vLLM's runner captures it, then replayed after
+    rewriting the buffers' contents for batches of other shapes: every replay
+    must equal the eager call on that batch alone, and a replay whose tree
+    buffers were not rewritten must not. The batches fill the captured token
+    and sequence counts with padding sequences of no query rows, as vLLM pads
+    a batch to a captured size."""
+    heads, kv_heads, head_size, window = (
+        (4, 2, 32, 8) if smoke else MODELS["E4B"]["sliding"][1:]
+    )
+    context = 40 if smoke else 1500
+    rng = random.Random(1)
+    cases = {
+        "no tree rows (masks -1, shifts 0)": [
+            Request(context + i, query_len=4) for i in range(3)
+        ],
+        "tree K=3 W=4": [
+            Request(context + i, paths=leaf_sibling_tree(12)) for i in range(4)
+        ],
+        "32-node continuation tree": [
+            Request(context + i, paths=planned_tree(32)) for i in range(4)
+        ],
+        "prefill chunk + tree + plain decode": [
+            Request(context, query_len=17),
+            Request(context + 3, paths=leaf_sibling_tree(12)),
+            Request(context + 9),
+            Request(context + 5, paths=random_tree(rng, 32), num_nodes=20),
+        ],
+    }
+    num_seqs = max(len(requests) for requests in cases.values())
+    num_tokens = max(sum(r.query_len for r in requests) for requests in cases.values())
+    blocks_per_request = -(
+        -max(r.seq_len for c in cases.values() for r in c) // BLOCK_SIZE
+    )
+    cache_shape = (num_seqs * blocks_per_request + 1, BLOCK_SIZE, kv_heads, head_size)
+    static = dict(
+        query=torch.randn(num_tokens, heads, head_size, dtype=dtype, device=device),
+        key_cache=torch.randn(*cache_shape, dtype=dtype, device=device),
+        value_cache=torch.randn(*cache_shape, dtype=dtype, device=device),
+        **batch_metadata([Request(0)] * num_seqs, device, blocks_per_request),
+    )
+    static["tree_mask"] = torch.full(
+        (num_tokens,), -1, dtype=torch.int64, device=device
+    )
+    static["tree_shift"] = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+    # Host-side bounds of the captured launch (they only pick the kernel's
+    # variant; the batch's own lengths are read from the buffers).
+    static["max_seqlen_q"] = num_tokens
+    static["max_seqlen_k"] = blocks_per_request * BLOCK_SIZE
+
+    def padded(requests) -> tuple[dict, dict]:
+        """The batch alone, and its contents padded to the captured sizes."""
+        alone = batch_metadata(requests, device, blocks_per_request)
+        rows = sum(r.query_len for r in requests)
+        alone["query"] = torch.randn(rows, heads, head_size, dtype=dtype, device=device)
+        for name in ("key_cache", "value_cache"):
+            alone[name] = static[name]
+        pad_seqs, pad_rows = num_seqs - len(requests), num_tokens - rows
+        contents = dict(
+            query=torch.cat((alone["query"], static["query"][rows:])),
+            block_table=torch.cat(
+                (alone["block_table"], static["block_table"][len(requests) :])
+            ),
+            cu_seqlens_q=torch.cat(
+                (alone["cu_seqlens_q"], alone["cu_seqlens_q"][-1:].repeat(pad_seqs))
+            ),
+            seq_lens=torch.cat(
+                (alone["seq_lens"], alone["seq_lens"].new_zeros(pad_seqs))
+            ),
+            tree_mask=torch.cat(
+                (alone["tree_mask"], alone["tree_mask"].new_full((pad_rows,), -1))
+            ),
+            tree_shift=torch.cat(
+                (alone["tree_shift"], alone["tree_shift"].new_zeros(pad_rows))
+            ),
         )
-        times = []
-        for _ in range(repeats):
-            start.record()
-            function()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-    started = time.perf_counter()
-    function()
-    return 1000 * (time.perf_counter() - started)
+        return alone, contents
+
+    replay = Replay(lambda: run(unified_attention, static, window), device)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    results = {}
+    prepared = {name: padded(requests) for name, requests in cases.items()}
+    for name, (alone, contents) in prepared.items():
+        for buffer, value in contents.items():
+            static[buffer].copy_(value)
+        rows = len(alone["query"])
+        difference = float(
+            (replay()[:rows] - run(unified_attention, alone, window)).abs().max()
+        )
+        results[name] = {
+            "max_abs_difference": difference,
+            "passed": difference <= tolerance,
+        }
+        print(
+            f"  replay after rewriting for {name}: max |replay - eager| "
+            f"{difference:.2e}",
+            flush=True,
+        )
+    # Negative control: the K=3 W=4 batch written over the 32-node one's, all
+    # but the tree buffers.
+    for buffer, value in prepared["32-node continuation tree"][1].items():
+        static[buffer].copy_(value)
+    alone, contents = prepared["tree K=3 W=4"]
+    for buffer, value in contents.items():
+        if buffer not in ("tree_mask", "tree_shift"):
+            static[buffer].copy_(value)
+    rows = len(alone["query"])
+    stale = (replay()[:rows] - run(unified_attention, alone, window)).abs()
+    bad_rows = int((stale.flatten(1).max(dim=1).values > tolerance).sum())
+    results["negative_control_bad_rows"] = bad_rows
+    print(f"  tree buffers not rewritten: {bad_rows} rows off", flush=True)
+    return results
 
 
-def timings(unified_attention, device, dtype, smoke: bool) -> dict:
+def timings(unified_attention, device, dtype, smoke: bool, deadline: float) -> dict:
     contexts, batches = ((40,), (1, 2)) if smoke else ((1024, 8192, 32768), (1, 8, 32))
     models = (
         {"tiny": {"sliding": (2, 4, 2, 32, 8), "full": (1, 4, 1, 64, None)}}
@@ -370,6 +365,11 @@ def timings(unified_attention, device, dtype, smoke: bool) -> dict:
     for model, kinds in models.items():
         for context in contexts:
             for batch in batches:
+                if time.perf_counter() > deadline:
+                    results.setdefault("skipped_past_time_limit", []).append(
+                        f"{model} ctx {context} batch {batch}"
+                    )
+                    continue
                 by_config = {}
                 for config, num_nodes in CONFIGS.items():
                     paths = (
@@ -431,46 +431,225 @@ def timings(unified_attention, device, dtype, smoke: bool) -> dict:
     return results
 
 
+GRAPH_CASES = (
+    "no tree rows (masks -1, shifts 0)",
+    "tree K=3 W=4",
+    "32-node continuation tree",
+    "prefill chunk + tree + plain decode",
+)
+FIGURES_BEGIN, FIGURES_END = "<!-- figures: begin -->", "<!-- figures: end -->"
+
+
+def render(summary: dict | None) -> str:
+    """The figures of docs/benchmarks-gpu.md from the script's JSON; with
+    none, the same tables with empty cells."""
+    summary = summary or {}
+    replays = summary.get("graph_replay", {})
+    step = summary.get("verify_step", {})
+
+    def cell(value, spec: str) -> str:
+        return "—" if value is None else format(value, spec)
+
+    lines = [
+        f"Device: {summary.get('device', '—')}, {summary.get('dtype', '—')}; "
+        f"the script ran {cell(summary.get('wall_s'), '.0f')} s.",
+        "",
+        "**CUDA graph replay of the tree kernel** (E4B sliding-layer shape, one "
+        "capture; max |replay − eager|):",
+        "",
+        "| batch written into the captured buffers | max difference | equal |",
+        "|---|---|---|",
+    ]
+    for name in GRAPH_CASES:
+        result = replays.get(name, {})
+        passed = result.get("passed")
+        lines.append(
+            f"| {name} | {cell(result.get('max_abs_difference'), '.2e')} | "
+            f"{'—' if passed is None else 'yes' if passed else 'NO'} |"
+        )
+    lines.append(
+        "| negative control: K=3 W=4 over the 32-node tree, tree buffers not "
+        f"rewritten | rows off: {cell(replays.get('negative_control_bad_rows'), 'd')} | |"
+    )
+    configs = verify_step.configurations()
+    for context in verify_step.CONTEXTS:
+        rows_needed = sorted(
+            {
+                r
+                for paths, _ in configs.values()
+                if paths
+                for r in verify_step.draft_rows(paths)
+            }
+        )
+        lines += [
+            "",
+            f"**Step parts at context {context}, ms** (verify forward by node "
+            "count n; one draft depth by its rows per request):",
+            "",
+            "| batch | "
+            + " | ".join(f"verify n={n}" for n in verify_step.NODE_COUNTS)
+            + " | "
+            + " | ".join(f"draft {r} row{'s' if r > 1 else ''}" for r in rows_needed)
+            + " |",
+            "|---" * (1 + len(verify_step.NODE_COUNTS) + len(rows_needed)) + "|",
+        ]
+        for batch in verify_step.BATCH_SIZES:
+            point = step.get(f"ctx {context} batch {batch}", {})
+            verify = point.get("verify_ms_by_num_nodes", {})
+            draft = point.get("draft_depth_ms_by_rows", {})
+            lines.append(
+                f"| {batch} | "
+                + " | ".join(
+                    cell(verify.get(str(n), {}).get("ms"), ".2f")
+                    for n in verify_step.NODE_COUNTS
+                )
+                + " | "
+                + " | ".join(
+                    cell(draft.get(str(r), {}).get("ms"), ".2f") for r in rows_needed
+                )
+                + " |"
+            )
+        lines += [
+            "",
+            f"**Projected output tokens/s at context {context}** (E[L] of the "
+            "trained pair; the fastest per batch size in bold):",
+            "",
+            "| configuration | nodes | E[L] | "
+            + " | ".join(f"batch {b}" for b in verify_step.BATCH_SIZES)
+            + " |",
+            "|---|---|---|" + "---|" * len(verify_step.BATCH_SIZES),
+        ]
+        for name, (paths, mean_acceptance_length) in configs.items():
+            row = f"| {name} | {len(paths) if paths else 0} | {mean_acceptance_length:.2f} |"
+            for batch in verify_step.BATCH_SIZES:
+                projected = step.get(f"ctx {context} batch {batch}", {}).get(
+                    "projected", {}
+                )
+                value = projected.get("by_config", {}).get(name, {}).get("tokens_per_s")
+                text = cell(value, ".0f")
+                row += (
+                    f" **{text}** |" if projected.get("best") == name else f" {text} |"
+                )
+            lines.append(row)
+        lines.append(
+            "| adaptive would take n = | | | "
+            + " | ".join(
+                cell(
+                    step.get(f"ctx {context} batch {b}", {})
+                    .get("projected", {})
+                    .get("adaptive_num_nodes"),
+                    "d",
+                )
+                for b in verify_step.BATCH_SIZES
+            )
+            + " |"
+        )
+    skipped = step.get("skipped_past_time_limit")
+    if skipped:
+        lines += ["", f"Skipped past the time limit: {', '.join(skipped)}."]
+    return "\n".join(lines) + "\n"
+
+
+def render_into(doc: Path, summary: dict | None) -> None:
+    """Rewrites the figures between the markers of `doc`."""
+    text = doc.read_text()
+    head, rest = text.split(FIGURES_BEGIN + "\n")
+    _, tail = rest.split(FIGURES_END)
+    doc.write_text(head + FIGURES_BEGIN + "\n" + render(summary) + FIGURES_END + tail)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--vllm-src", type=Path, default=ROOT / "build" / "vllm-patched"
     )
     parser.add_argument(
-        "--out", type=Path, default=None, help="write the results as JSON here"
+        "--out",
+        type=Path,
+        default=None,
+        help="write the results as JSON here (rewritten after every part)",
     )
     parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny sizes (for TRITON_INTERPRET=1 on CPU)",
     )
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=420,
+        help="start no timing past this many seconds (what is left is listed "
+        "as skipped), so that the script fits a lease of the device",
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="only put the figures of this JSON (the script's --out) into "
+        "docs/benchmarks-gpu.md; 'none' writes empty tables",
+    )
     args = parser.parse_args()
+    if args.render:
+        summary = (
+            None if str(args.render) == "none" else json.loads(args.render.read_text())
+        )
+        render_into(ROOT / "docs" / "benchmarks-gpu.md", summary)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     started = time.perf_counter()
+    deadline = started + args.time_limit_s
     unified_attention = load_unified_attention(args.vllm_src)
     name = (
         torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     )
+    summary: dict = {"device": name, "dtype": str(dtype)}
+
+    def save() -> None:
+        summary["wall_s"] = time.perf_counter() - started
+        if args.out:
+            args.out.write_text(json.dumps(summary, indent=2) + "\n")
+
     print(f"* Device: {name}, {dtype}", flush=True)
     print("* Correctness against the dense reference", flush=True)
-    checks = correctness(unified_attention, device, dtype, args.smoke)
+    summary["correctness"] = correctness(unified_attention, device, dtype, args.smoke)
+    save()
+    print(
+        "* CUDA graph replay of the tree kernel"
+        + (" (repeated eager calls: no CUDA here)" if device != "cuda" else ""),
+        flush=True,
+    )
+    summary["graph_replay"] = graph_replay(unified_attention, device, dtype, args.smoke)
+    save()
+    print(
+        "* A whole step at Gemma 4 E4B shapes"
+        + (" (tiny shapes with --smoke)" if args.smoke else "")
+        + ": verify and drafting",
+        flush=True,
+    )
+    summary["verify_step"] = verify_step.step_times(
+        unified_attention, device, dtype, args.smoke, deadline
+    )
+    save()
     print("* Verify attention time per target forward (all layers)", flush=True)
-    times = timings(unified_attention, device, dtype, args.smoke)
-    summary = {
-        "device": name,
-        "dtype": str(dtype),
-        "correctness": checks,
-        "timings": times,
-        "wall_s": time.perf_counter() - started,
-    }
-    if args.out:
-        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    summary["timings"] = timings(unified_attention, device, dtype, args.smoke, deadline)
+    save()
     failed = [
         n
-        for n, r in checks.items()
+        for n, r in summary["correctness"].items()
         if not r["passed"] or r["negative_control_bad_rows"] == 0
     ]
+    replays = summary["graph_replay"]
+    failed += [
+        f"graph replay: {n}"
+        for n, r in replays.items()
+        if isinstance(r, dict) and not r["passed"]
+    ]
+    if replays["negative_control_bad_rows"] == 0:
+        failed.append("graph replay: stale tree buffers changed no row")
+    consistency = summary["verify_step"].get("consistency")
+    if consistency and not consistency["passed"]:
+        failed.append("verify step: a tree node differs from its path as a chain")
     print(
         f"* Done in {summary['wall_s']:.0f} s; "
         + (

@@ -2,6 +2,7 @@
 """The device script stays runnable where no GPU is: its --smoke mode under
 Triton's interpreter, on the patched tree ci/test.sh lays out."""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,21 +12,61 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCHED_OPS = ROOT / "build" / "vllm-patched" / "vllm" / "v1" / "attention" / "ops"
+SCRIPT = ROOT / "tests" / "gpu" / "run_device_checks.py"
 
 
-def test_device_checks_smoke_under_the_triton_interpreter():
+def test_device_checks_smoke_under_the_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     if not (PATCHED_OPS / "triton_unified_attention.py").exists():
-        pytest.skip("no patched tree in build/vllm-patched (bash ci/test.sh lays it out)")
+        pytest.skip(
+            "no patched tree in build/vllm-patched (bash ci/test.sh lays it out)"
+        )
+    out = tmp_path / "device.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "gpu" / "run_device_checks.py"), "--smoke"],
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     print(result.stdout)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all correctness checks passed" in result.stdout
+    summary = json.loads(out.read_text())
     # The dropped mask must change rows, for each shape.
-    assert "mask dropped: 0 rows" not in result.stdout
+    assert all(
+        r["negative_control_bad_rows"] > 0 for r in summary["correctness"].values()
+    )
+
+    replays = summary["graph_replay"]
+    cases = {n: r for n, r in replays.items() if isinstance(r, dict)}
+    assert len(cases) == 4 and all(r["passed"] for r in cases.values()), replays
+    assert replays["negative_control_bad_rows"] > 0
+
+    step = summary["verify_step"]
+    assert step["consistency"]["passed"], step["consistency"]
+    assert not step["skipped_past_time_limit"]
+    for batch in (1, 2):
+        point = step[f"ctx 40 batch {batch}"]
+        assert set(point["verify_ms_by_num_nodes"]) == {"0", "3", "12"}
+        by_config = point["projected"]["by_config"]
+        # Every configuration of at most 12 nodes is projected, plain's step
+        # being its verify forward alone.
+        assert {"plain", "chain K=3", "tree K=3 W=4", "planned 12"} <= by_config.keys()
+        assert (
+            by_config["plain"]["step_ms"] == point["verify_ms_by_num_nodes"]["0"]["ms"]
+        )
+        assert point["projected"]["adaptive_num_nodes"] in (0, 3, 12)
+
+
+def test_figures_in_the_doc_are_the_committed_json_s():
+    """docs/benchmarks-gpu.md shows what docs/benchmarks-gpu.json holds (empty
+    tables while no GPU has run the script)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.gpu.run_device_checks import FIGURES_BEGIN, FIGURES_END, render
+
+    figures = ROOT / "docs" / "benchmarks-gpu.json"
+    summary = json.loads(figures.read_text()) if figures.exists() else None
+    doc = (ROOT / "docs" / "benchmarks-gpu.md").read_text()
+    shown = doc.split(FIGURES_BEGIN + "\n")[1].split(FIGURES_END)[0]
+    assert shown == render(summary)
