@@ -650,6 +650,8 @@ def main() -> None:
     consistency = summary["verify_step"].get("consistency")
     if consistency and not consistency["passed"]:
         failed.append("verify step: a tree node differs from its path as a chain")
+    if not args.smoke:
+        print(render(summary), flush=True)
     print(
         f"* Done in {summary['wall_s']:.0f} s; "
         + (
