@@ -30,12 +30,13 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
         adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96
 
-`--rounds N` runs every configuration N times, interleaved, and keeps each
-one's median run (serve tokens/s on this 2-core machine vary by up to 20 %
-from run to run). `--output-tokens-range LOW HIGH` gives each prompt its own
-output length instead of 64 (the load sweeps: with one length for all,
-requests that start together end together and plain decoding prefills the
-next ones as one large wave, which speculation breaks up).
+`--rounds N` runs every configuration N times, interleaved, each round
+starting further along the list (so that none always runs first or last in its
+round), and keeps each one's median run (serve tokens/s on this 2-core machine
+vary by up to 20 % from run to run). `--output-tokens-range LOW HIGH` gives
+each prompt its own output length instead of 64 (the load sweeps: with one
+length for all, requests that start together end together and plain decoding
+prefills the next ones as one large wave, which speculation breaks up).
 
 (`vllm bench serve` reads the prompt file with pandas, from the `bench`
 extra, which installing the wheel without extras leaves out.) It writes
@@ -233,8 +234,8 @@ def main() -> None:
                              f"instead of {OUTPUT_LEN} for every prompt")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every configuration this many times, interleaved "
-                             "(config A, B, ..., then A, B, ... again), and report each "
-                             "one's median tokens/s with every run's")
+                             "(config A, B, C, ..., then from a later one on: C, ..., A, "
+                             "B), and report each one's median tokens/s with every run's")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -256,7 +257,11 @@ def main() -> None:
         output_len = -1 if args.output_tokens_range else OUTPUT_LEN
         runs: dict = {}
         for round_index in range(args.rounds):
-            for name in args.configs:
+            # Each round starts further along the list, so that no
+            # configuration always runs first or last in its round (the
+            # machine drifts within a round).
+            shift = round_index * len(args.configs) // args.rounds
+            for name in args.configs[shift:] + args.configs[:shift]:
                 config = configs()[name]
                 print(f"* vllm serve: {name}"
                       + (f" (round {round_index + 1} of {args.rounds})"
