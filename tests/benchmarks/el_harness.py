@@ -773,18 +773,19 @@ def render_load_sweeps(out: Path) -> list[str]:
         "this machine the cost-scaled target's profiles now time 1 and 2 requests (K=3 "
         "W=4, 5.3 s) and 1 request (planned 32, 3.6 s), a plain step of one request "
         "taking 38.6 ms against 31.5 ms in the previous sweep, so every batch size from"
-        " 4 up is served from such rows. The trained pair's sweep below is the previous"
-        " build's (its profiles timed 1 to 64 and 1 to 16 requests; the change could "
-        "only touch adaptive planned 32 at 32 requests). Sweeps with several rounds now"
-        " start each round further along the configuration list, so that the adaptive "
-        "servers are not always the last of a round: a separate run on the trained "
-        "pair, plain, adaptive K=3 W=4 and a tree server pinned at n = 0 "
+        " 4 up is served from such rows. The trained pair's sweep was re-run on the "
+        "same build (its profiles time 1 to 64 and 1 to 16 requests, so the change can "
+        "only touch adaptive planned 32 at 32 requests there). Sweeps with several "
+        "rounds now start each round further along the configuration list, so that the "
+        "adaptive servers are not always the last of a round: a separate run on the "
+        "trained pair, plain, adaptive K=3 W=4 and a tree server pinned at n = 0 "
         "(num_speculative_tokens_per_batch_size [[1, 256, 0]]), 4 rounds with the order"
         " rotated, at 16 and 32 requests, found adaptive (at n = 0 on 98 % of its "
         "steps) at 0.96x and 1.00x of plain in the median (1,687 and 2,259 against "
         "1,759 and 2,270 tok/s; the rounds' own ratios 0.90x to 1.12x) and the pinned "
-        "server at 0.97x and 1.04x: the 5 % to 16 % gap at n = 0 of the trained sweep "
-        "below was mostly its order and the machine's drift.",
+        "server at 0.97x and 1.04x: the 5 % to 16 % gap at n = 0 of the previous "
+        "trained sweep (the adaptive servers last in every round) was mostly that order"
+        " and the machine's drift.",
         "",
         "Where adaptive still falls short. On the cost-scaled target it now matches the"
         " best fixed configuration, chain K=1, at 32 requests (1.00x and 1.02x, from "
@@ -807,13 +808,15 @@ def render_load_sweeps(out: Path) -> list[str]:
         "attention 0.75 ms, drafting every rank's candidates 0.7 ms, the tree walk and "
         "KV commit 0.5 ms, the rest the per-step layout). A step whose nested tree is a"
         " chain could take the chain's path (kernel rows, no KV commit, top-1 "
-        "drafting); that is the next step. On the trained pair (previous build, 3 "
-        "rounds, the adaptive servers last in every round) adaptive trailed the best "
-        "fixed configuration by 5 % to 22 %: at n = 0 from 4 requests up (see above), "
-        "and at one request, where every fixed configuration but planned 12 and chain "
-        "K=1 was within 3 % of plain, adaptive over the K=3 W=4 envelope drafted 8 and "
-        "12 nodes (0.89x of chain K=3) and over the planned envelope stayed at n = 0 "
-        "(0.78x).",
+        "drafting); that is the next step. On the trained pair (3 rounds, rotated; a "
+        "slower and noisier machine than in the previous sweep, plain at 32 requests "
+        "1,392 to 2,064 tok/s) both envelopes ran at n = 0 on 99 % or more of their "
+        "steps at every concurrency, as plain and chain K=3 are within the noise of "
+        "each other at one request. Over the K=3 W=4 envelope adaptive was at 1.05x, "
+        "1.01x, 0.93x and 0.96x of the best fixed configuration at 1, 4, 16 and 32 "
+        "requests, over the planned envelope at 0.91x, 0.89x, 0.99x and 0.99x: at n = 0"
+        " the two are the same server but for the profile, so the spread between them "
+        "(up to 12 %) is this sweep's noise, which three rounds do not resolve.",
         "",
         "![tokens/s by concurrency](benchmarks/serve_sweep.png)",
         "",
