@@ -24,16 +24,20 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
         adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
         --rounds 3
-    # the same sweep on the cost-scaled target, one round:
+    # the same sweep on the cost-scaled target, two rounds:
     build/test-venv/bin/python tests/benchmarks/serve_bench.py \
         --name serve_sweep_cost_scaled --target cost_scaled --prompt-tokens 64 \
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
-        adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96
+        adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
+        --rounds 2
 
-`--rounds N` runs every configuration N times, interleaved, each round
+All the servers start first and stay up (an idle one sleeps), and each
+concurrency runs every configuration back to back, so that the machine's drift
+over minutes (serve tokens/s on this 2-core machine vary by up to 20 % from
+one run to the next) falls alike on the configurations compared. `--rounds N`
+runs every configuration N times at each concurrency, interleaved, each round
 starting further along the list (so that none always runs first or last in its
-round), and keeps each one's median run (serve tokens/s on this 2-core machine
-vary by up to 20 % from run to run). `--output-tokens-range LOW HIGH` gives
+round), and keeps each one's median run. `--output-tokens-range LOW HIGH` gives
 each prompt its own output length instead of 64 (the load sweeps: with one
 length for all, requests that start together end together and plain decoding
 prefills the next ones as one large wave, which speculation breaks up).
@@ -233,9 +237,10 @@ def main() -> None:
                         help="output tokens per prompt drawn from LOW..HIGH (seeded) "
                              f"instead of {OUTPUT_LEN} for every prompt")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run every configuration this many times, interleaved "
-                             "(config A, B, C, ..., then from a later one on: C, ..., A, "
-                             "B), and report each one's median tokens/s with every run's")
+                        help="at each concurrency, run every configuration this many "
+                             "times, interleaved (config A, B, C, ..., then from a later "
+                             "one on: C, ..., A, B), and report each one's median "
+                             "tokens/s with every run's")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -256,35 +261,37 @@ def main() -> None:
         write_prompts(prompts, args.prompt_tokens, args.output_tokens_range)
         output_len = -1 if args.output_tokens_range else OUTPUT_LEN
         runs: dict = {}
-        for round_index in range(args.rounds):
-            # Each round starts further along the list, so that no
-            # configuration always runs first or last in its round (the
-            # machine drifts within a round).
-            shift = round_index * len(args.configs) // args.rounds
-            for name in args.configs[shift:] + args.configs[:shift]:
-                config = configs()[name]
-                print(f"* vllm serve: {name}"
-                      + (f" (round {round_index + 1} of {args.rounds})"
-                         if args.rounds > 1 else ""), flush=True)
-                server = Server(model, config, scratch / f"{name}.log")
-                try:
-                    server.wait_ready()
-                    profile = startup_profile(server.log.read_text())
-                    if profile:
-                        results.setdefault("startup_profile", {})[name] = profile
-                        print(f"  start-up profile: {profile['seconds']} s", flush=True)
-                    for concurrency in args.concurrency:
-                        result = bench(server.url, model, prompts, concurrency,
+        servers: dict[str, Server] = {}
+        try:
+            for name in args.configs:
+                print(f"* vllm serve: {name}", flush=True)
+                servers[name] = server = Server(model, configs()[name],
+                                                scratch / f"{name}.log")
+                server.wait_ready()
+                profile = startup_profile(server.log.read_text())
+                if profile:
+                    results.setdefault("startup_profile", {})[name] = profile
+                    print(f"  start-up profile: {profile['seconds']} s", flush=True)
+            for concurrency in args.concurrency:
+                for round_index in range(args.rounds):
+                    # Each round starts further along the list, so that no
+                    # configuration always runs first or last in its round.
+                    shift = round_index * len(args.configs) // args.rounds
+                    for name in args.configs[shift:] + args.configs[:shift]:
+                        result = bench(servers[name].url, model, prompts, concurrency,
                                        PROMPTS_PER_CONCURRENCY[args.target][concurrency],
                                        scratch, f"{name}_{concurrency}.json", output_len)
                         runs.setdefault((str(concurrency), name), []).append(result)
-                        print(f"  concurrency {concurrency}: "
+                        print(f"  concurrency {concurrency}, {name}"
+                              + (f" (round {round_index + 1} of {args.rounds})"
+                                 if args.rounds > 1 else "") + ": "
                               f"{result['output_throughput']:.1f} output tok/s, "
                               f"TPOT {result['mean_tpot_ms']:.2f} ms"
                               + (f", steps per node count {result['steps_per_num_nodes']}"
                                  if "steps_per_num_nodes" in result else ""), flush=True)
-                finally:
-                    server.stop()
+        finally:
+            for server in servers.values():
+                server.stop()
         for (concurrency, name), measured in runs.items():
             results[concurrency][name] = median_run(measured)
     for concurrency, by_config in results.items():
