@@ -6,7 +6,8 @@ Verbs (each does one thing):
   fetch     get the pristine pinned source (the official sdist) into a git repo,
             or verify that --vllm-src is the pinned version
   check     replay patches/series on a scratch copy: every patch must apply
-            exactly, carry its header, and re-export byte for byte
+            exactly, carry its header, re-export byte for byte and leave the
+            files it changes clean under the pinned vLLM's ruff (pre-commit)
   apply     apply the stack to a checkout, all or nothing
   export    regenerate patches/ from a working branch (one commit per patch)
   registry  regenerate patches/README.md from the patch headers
@@ -29,6 +30,7 @@ import os
 import re
 import shutil
 import struct
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -390,6 +392,71 @@ def replay_stack(repo: git.Repo, base: str, patches: list[Patch]) -> str:
     return tip
 
 
+RUFF_HOOK = "https://github.com/astral-sh/ruff-pre-commit"
+
+
+def pinned_ruff_version(repo: git.Repo, base: str) -> str | None:
+    """The ruff release the pinned vLLM's pre-commit configuration runs (the
+    rev of its ruff-pre-commit hook), or None where it runs none."""
+    try:
+        config = repo.git.show(f"{base}:.pre-commit-config.yaml")
+    except git.GitCommandError:
+        return None
+    match = re.search(rf"repo:\s*{re.escape(RUFF_HOOK)}\s*\n\s*rev:\s*v?(\S+)", config)
+    return match.group(1) if match else None
+
+
+def ruff(*args: str, cwd: Path | None = None) -> tuple[int, str]:
+    try:
+        done = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=cwd,
+                              capture_output=True, text=True)
+    except OSError as e:  # pragma: no cover - no such interpreter
+        return 1, str(e)
+    return done.returncode, done.stdout + done.stderr
+
+
+def lint_stack(repo: git.Repo, base: str, tip: str, patches: list[Patch]) -> None:
+    """Every patch leaves the Python files the stack has changed so far clean
+    under the ruff release and configuration of the pinned vLLM (its
+    `.pre-commit-config.yaml` and `pyproject.toml`), as its own CI would."""
+    version = pinned_ruff_version(repo, base)
+    if version is None:
+        step("* Lint skipped: the pinned vLLM's .pre-commit-config.yaml runs no ruff")
+        return
+    code, out = ruff("--version")
+    if code != 0 or out.split()[-1:] != [version]:
+        raise ToolError(
+            f"check lints with ruff {version}, the release the pinned vLLM's "
+            f".pre-commit-config.yaml runs (found: {out.strip() or 'none'}); "
+            f"install it: python3 -m pip install ruff=={version}"
+        )
+    commits = repo.git.rev_list("--reverse", f"{base}..{tip}").split()
+    with tempfile.TemporaryDirectory() as tmp:
+        # A whole tree, so that ruff sees the packages as vLLM's CI does.
+        tree = Path(tmp) / "tree"
+        repo.git.worktree("add", "--quiet", "--detach", str(tree), base)
+        try:
+            for patch, commit in zip(patches, commits, strict=True):
+                repo.git.execute(["git", "-C", str(tree), "checkout", "--quiet", commit])
+                changed = repo.git.diff(
+                    "--name-only", "--diff-filter=AM", base, commit, "--", "*.py"
+                ).split()
+                findings = []
+                for args in (("check", "--output-format", "concise"), ("format", "--check")):
+                    code, out = ruff(*args, "--no-cache", "--force-exclude", *changed,
+                                     cwd=tree) if changed else (0, "")
+                    if code != 0:
+                        findings.append(out.strip())
+                if findings:
+                    raise ToolError(
+                        f"{patch.label}: ruff {version} with vLLM's configuration finds, "
+                        "in the files the stack has changed so far:\n" + "\n".join(findings)
+                    )
+        finally:
+            repo.git.worktree("remove", "--force", str(tree))
+    step(f"* Lint: every patch leaves the files it changed clean under ruff {version}")
+
+
 def format_patches(repo: git.Repo, base: str, tip: str, out_dir: Path) -> list[Path]:
     config = [arg for item in CANONICAL_GIT_CONFIG for arg in ("-c", item)]
     names = repo.git.execute(
@@ -593,7 +660,9 @@ def cmd_check(args: argparse.Namespace, pin: Pin) -> None:
     tip = replay_stack(repo, base, patches)
     compare_with_export(repo, base, tip, patches)
     check_registry(args.patches, patches)
-    step(f"Passed: {len(patches)} patches apply exactly on vLLM {pin.version} and re-export byte for byte")
+    lint_stack(repo, base, tip, patches)
+    step(f"Passed: {len(patches)} patches apply exactly on vLLM {pin.version}, re-export "
+         "byte for byte and pass vLLM's lint")
 
 
 def cmd_apply(args: argparse.Namespace, pin: Pin) -> None:

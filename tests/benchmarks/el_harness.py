@@ -846,15 +846,24 @@ def render_load_sweeps(out: Path) -> list[str]:
                 + f" | {SWEEP_CONFIGS[best]} |")
         adaptive = [n for n in configs if n.startswith("adaptive")]
         fixed_names = [n for n in configs if not n.startswith("adaptive")]
+        by_round = f"{adaptive[0]}_over_best_fixed_paired" in sweep[concurrencies[0]]
         lines += ["", "Adaptive over the best fixed configuration, and over each fixed "
-                  "one, at each concurrency:", "",
-                  "| concurrency | adaptive | over best fixed | " + " | ".join(
+                  "one, at each concurrency (median runs)"
+                  + ("; and over the best fixed one round by round (each round's two "
+                     "runs minutes apart), the median of the rounds with every round's "
+                     "in brackets" if by_round else "") + ":", "",
+                  "| concurrency | adaptive | over best fixed | "
+                  + ("by round | " if by_round else "") + " | ".join(
                       f"over {SWEEP_CONFIGS[n]}" for n in fixed_names) + " |",
-                  "|---|---|---|" + "---|" * len(fixed_names)]
+                  "|---|---|---|" + ("---|" if by_round else "") + "---|" * len(fixed_names)]
         for c in concurrencies:
             for n in adaptive:
                 r = sweep[c]
+                paired = (f"{r[n + '_over_best_fixed_paired']:.2f} ("
+                          + ", ".join(f"{x:.2f}" for x in r[n + "_over_best_fixed_by_round"])
+                          + ") | ") if by_round else ""
                 lines.append(f"| {c} | {SWEEP_CONFIGS[n]} | {r[n + '_over_best_fixed']:.2f} | "
+                             + paired
                              + " | ".join(f"{r[f'{n}_over_{f}']:.2f}" for f in fixed_names)
                              + " |")
         lines += ["", "Steps per drafted node count (`vllm:spec_decode_tree_num_nodes`, "

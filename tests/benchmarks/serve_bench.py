@@ -37,7 +37,9 @@ over minutes (serve tokens/s on this 2-core machine vary by up to 20 % from
 one run to the next) falls alike on the configurations compared. `--rounds N`
 runs every configuration N times at each concurrency, interleaved, each round
 starting further along the list (so that none always runs first or last in its
-round), and keeps each one's median run. `--output-tokens-range LOW HIGH` gives
+round), and keeps each one's median run; each adaptive configuration's ratio
+to the best fixed one is then also taken round by round (runs minutes apart),
+and its median reported. `--output-tokens-range LOW HIGH` gives
 each prompt its own output length instead of 64 (the load sweeps: with one
 length for all, requests that start together end together and plain decoding
 prefills the next ones as one large wave, which speculation breaks up).
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -205,16 +208,28 @@ def median_run(runs: list[dict]) -> dict:
 def ratios(by_config: dict) -> dict:
     """Each adaptive configuration's tokens/s over the best fixed one's
     (`<name>_over_best_fixed`) and over every fixed one's
-    (`<name>_over_<fixed>`)."""
+    (`<name>_over_<fixed>`), of their median runs. With several rounds, also
+    its tokens/s over the best fixed configuration's in each round
+    (`<name>_over_best_fixed_by_round`, runs minutes apart rather than up to
+    a sweep's length) and their median (`<name>_over_best_fixed_paired`)."""
     fixed = {n: r["output_throughput"] for n, r in by_config.items()
              if isinstance(r, dict) and not n.startswith("adaptive")}
     out = {}
+    if not fixed:
+        return out
+    best = max(fixed, key=fixed.get)
     for name, r in list(by_config.items()):
-        if not (isinstance(r, dict) and name.startswith("adaptive")) or not fixed:
+        if not (isinstance(r, dict) and name.startswith("adaptive")):
             continue
-        out[f"{name}_over_best_fixed"] = r["output_throughput"] / max(fixed.values())
+        out[f"{name}_over_best_fixed"] = r["output_throughput"] / fixed[best]
         for other, tok_s in fixed.items():
             out[f"{name}_over_{other}"] = r["output_throughput"] / tok_s
+        runs, best_runs = (r.get("output_throughput_runs"),
+                           by_config[best].get("output_throughput_runs"))
+        if runs and best_runs and len(runs) == len(best_runs):
+            by_round = [a / b for a, b in zip(runs, best_runs)]
+            out[f"{name}_over_best_fixed_by_round"] = by_round
+            out[f"{name}_over_best_fixed_paired"] = statistics.median(by_round)
     return out
 
 
@@ -308,6 +323,8 @@ def main() -> None:
             print(f"concurrency {concurrency}: best fixed {best} "
                   f"({fixed[best]:.0f} tok/s); " + ", ".join(
                       f"{n} {r['output_throughput'] / fixed[best]:.2f}x"
+                      + (f" (by round {by_config[n + '_over_best_fixed_paired']:.2f}x)"
+                         if n + "_over_best_fixed_paired" in by_config else "")
                       for n, r in by_config.items() if isinstance(r, dict)))
     results["setup"] = {"target": args.target, "prompt_tokens": args.prompt_tokens,
                         "output_tokens": args.output_tokens_range or OUTPUT_LEN,

@@ -10,6 +10,7 @@ import http.server
 import io
 import json
 import sys
+import tempfile
 import threading
 import zipfile
 from pathlib import Path
@@ -237,6 +238,55 @@ def test_stale_registry_fails_check(workspace, capsys):
     assert code == 1 and "README.md is out of date" in out
     assert run(capsys, "registry", *workspace["common"])[0] == 0
     assert run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])[0] == 0
+
+
+def installed_ruff() -> str:
+    code, out = apply.ruff("--version")
+    assert code == 0, out
+    return out.split()[-1]
+
+
+def linted_stack(workspace, second_change: str, ruff_rev: str) -> int:
+    """`check` of a two-patch stack on a pristine tree whose pre-commit
+    configuration runs ruff `ruff_rev`; the second patch writes
+    `second_change` into a new module."""
+    root = Path(tempfile.mkdtemp(dir=workspace["tmp"]))
+    pristine = root / "pristine"
+    repo = git.Repo.clone_from(workspace["pristine"], pristine)
+    (pristine / ".pre-commit-config.yaml").write_text(
+        f"repos:\n- repo: {apply.RUFF_HOOK}\n  rev: v{ruff_rev}\n  hooks:\n"
+        "  - id: ruff-check\n  - id: ruff-format\n")
+    (pristine / "pyproject.toml").write_text('[tool.ruff.lint]\nselect = ["E", "F", "I"]\n')
+    commit_all(repo, "lint configuration")
+    repo.git.tag("-f", f"v{VERSION}")
+    work = root / "work"
+    work_repo = git.Repo.clone_from(pristine, work)
+    (work / "vllm/tree.py").write_text("TREE = True\n")
+    commit_all(work_repo, "[Spec Decode] First change\n\n" + HEADER.format(why="first"))
+    (work / "vllm/walk.py").write_text(second_change)
+    commit_all(work_repo, "[Spec Decode] Second change\n\n" + HEADER.format(why="second"))
+    patches = root / "patches"
+    common = [a if a != str(workspace["patches"]) else str(patches) for a in workspace["common"]]
+    assert apply.main(["export", "--vllm-src", str(work), "--base", f"v{VERSION}", *common]) == 0
+    return apply.main(["check", "--vllm-src", str(pristine), *common])
+
+
+def test_check_lints_each_patch_with_the_pinned_ruff(workspace, capsys):
+    ruff_version = installed_ruff()
+    assert linted_stack(workspace, "WALK = True\n", ruff_version) == 0
+    assert f"clean under ruff {ruff_version}" in capsys.readouterr().out
+
+    code = linted_stack(workspace, "import os\n\nWALK = True\n", ruff_version)
+    out = capsys.readouterr()
+    assert code == 1
+    assert "0002-Spec-Decode-Second-change.patch (2/2): ruff" in out.err + out.out
+    assert "vllm/walk.py:1:8: F401" in out.err + out.out
+
+
+def test_check_refuses_a_ruff_other_than_the_pinned_one(workspace, capsys):
+    code = linted_stack(workspace, "WALK = True\n", "0.0.1")
+    out = capsys.readouterr()
+    assert code == 1 and "python3 -m pip install ruff==0.0.1" in out.err + out.out
 
 
 def test_build_overlays_the_binary_wheel(workspace, capsys):

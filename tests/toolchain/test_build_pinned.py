@@ -56,3 +56,10 @@ def test_build_overlays_the_stack_on_the_pinned_wheel(target, tmp_path, capsys):
                 data = built.read(path)
                 assert by_name[path][1] == apply.record_hash(data), path
         assert f"Version: {version}" in built.read(f"{info}/METADATA").decode()
+
+
+def test_the_stack_checks_on_the_pinned_release(capsys):
+    """Every patch applies exactly, re-exports byte for byte and leaves the
+    files it changes clean under vLLM's own ruff (`apply.py check`)."""
+    assert apply.main(["check"]) == 0
+    assert "pass vLLM's lint" in capsys.readouterr().out
