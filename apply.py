@@ -7,7 +7,8 @@ Verbs (each does one thing):
             or verify that --vllm-src is the pinned version
   check     replay patches/series on a scratch copy: every patch must apply
             exactly, carry its header, re-export byte for byte and leave the
-            files it changes clean under the pinned vLLM's ruff (pre-commit)
+            files it changes clean under the pinned vLLM's ruff (pre-commit);
+            with --target, the modules changed so far import after each patch
   apply     apply the stack to a checkout, all or nothing
   export    regenerate patches/ from a working branch (one commit per patch)
   registry  regenerate patches/README.md from the patch headers
@@ -577,8 +578,8 @@ def lay_change_on_copy(repo: git.Repo, base: str, tip: str, path: str,
         return (Path(tmp) / path).read_bytes()
 
 
-def wheel_changes(repo: git.Repo, base: str, tip: str, binary_wheel: Path
-                  ) -> dict[str, bytes | None]:
+def wheel_changes(repo: git.Repo, base: str, tip: str, binary_wheel: Path,
+                  quiet: bool = False) -> dict[str, bytes | None]:
     """What the built wheel replaces: the stack's files, except that a file
     the binary wheel ships differently from the pinned sdist gets the stack's
     change laid onto the wheel's own copy."""
@@ -593,9 +594,71 @@ def wheel_changes(repo: git.Repo, base: str, tip: str, binary_wheel: Path
             if copy != (pristine / path).data_stream.read():
                 changes[path] = lay_change_on_copy(repo, base, tip, path, copy,
                                                    binary_wheel.name)
-                step(f"* {path}: {binary_wheel.name} ships its own copy; "
-                     "the stack's change is laid onto it")
+                if not quiet:
+                    step(f"* {path}: {binary_wheel.name} ships its own copy; "
+                         "the stack's change is laid onto it")
     return changes
+
+
+IMPORT_MODULES = """
+import importlib, os, sys, traceback
+for name in sys.argv[1:]:
+    try:
+        module = importlib.import_module(name)
+    except BaseException:
+        print(f"importing {name} fails:")
+        traceback.print_exc(file=sys.stdout)
+        sys.exit(1)
+    if not module.__file__.startswith(os.environ["PYTHONPATH"]):
+        sys.exit(f"{name} was imported from {module.__file__}, not the laid-out wheel")
+"""
+
+
+def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
+                  binary_wheel: Path) -> None:
+    """Each prefix of the series imports: after every patch, this interpreter
+    imports every module under vllm/ that the stack has added or changed so
+    far, from the binary wheel with the prefix's files laid over it (the
+    wheel `build` would make of that prefix), so that the series bisects."""
+    commits = repo.git.rev_list("--reverse", f"{base}..{tip}").split()
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(binary_wheel) as wheel:
+        root = Path(tmp) / "site"
+        step(f"* Laying out {binary_wheel.name} to import each prefix of the series")
+        wheel.extractall(root, members=[n for n in wheel.namelist() if n.startswith("vllm/")])
+        members = set(wheel.namelist())
+        laid: dict[str, bytes | None] = {}
+        for patch, commit in zip(patches, commits, strict=True):
+            changes = wheel_changes(repo, base, commit, binary_wheel, quiet=True)
+            for path in set(laid) - set(changes):
+                # A later patch put the file back as the release has it.
+                (root / path).unlink(missing_ok=True)
+                if path in members:
+                    wheel.extract(path, root)
+            for path, data in changes.items():
+                if data is None:
+                    (root / path).unlink(missing_ok=True)
+                else:
+                    (root / path).parent.mkdir(parents=True, exist_ok=True)
+                    (root / path).write_bytes(data)
+            laid = changes
+            modules = sorted(
+                path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+                for path, data in changes.items() if data is not None and path.endswith(".py")
+            )
+            if not modules:
+                continue
+            started = time.monotonic()
+            done = subprocess.run(
+                [sys.executable, "-c", IMPORT_MODULES, *modules], cwd=tmp,
+                env={**os.environ, "PYTHONPATH": str(root)},
+                capture_output=True, text=True,
+            )
+            if done.returncode != 0:
+                raise ToolError(
+                    f"{patch.label}: after this patch, {(done.stdout + done.stderr).strip()}"
+                )
+            step(f"* {patch.label}: {len(modules)} changed modules import "
+                 f"({time.monotonic() - started:.0f} s)")
 
 
 def build_wheel(changes: dict[str, bytes | None], binary_wheel: Path, version: str,
@@ -661,8 +724,13 @@ def cmd_check(args: argparse.Namespace, pin: Pin) -> None:
     compare_with_export(repo, base, tip, patches)
     check_registry(args.patches, patches)
     lint_stack(repo, base, tip, patches)
+    imports = ""
+    if args.target:
+        binary = fetch_artifact(pin.artifacts[args.target], Path(args.cache_dir), args.index_url)
+        check_imports(repo, base, tip, patches, binary)
+        imports = f"; after each, the modules it changed import from the {args.target} wheel"
     step(f"Passed: {len(patches)} patches apply exactly on vLLM {pin.version}, re-export "
-         "byte for byte and pass vLLM's lint")
+         f"byte for byte and pass vLLM's lint{imports}")
 
 
 def cmd_apply(args: argparse.Namespace, pin: Pin) -> None:
@@ -759,6 +827,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
         if name == "export":
             verb.add_argument("--base", help="pristine base revision (default: the pin's tag)")
+        if name == "check":
+            verb.add_argument(
+                "--target", choices=("cpu", "cuda"),
+                help="also import, after each patch, every module the series has "
+                "changed so far, from that binary wheel with the prefix laid over it "
+                "(run with an interpreter that has vLLM's dependencies)",
+            )
         if name == "build":
             verb.add_argument("--target", choices=("cpu", "cuda"), required=True)
             verb.add_argument("--out", default=str(DEFAULT_DIST), help="where the wheel goes")

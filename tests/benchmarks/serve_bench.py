@@ -129,13 +129,14 @@ def tree_sizes(url: str) -> dict[int, int]:
     (vllm:spec_decode_tree_num_nodes); empty without adaptive sizing."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    cumulative = []
-    for line in text.splitlines():
-        if line.startswith("vllm:spec_decode_tree_num_nodes_bucket{"):
-            le = line.split('le="')[1].split('"')[0]
-            cumulative.append((float(le), float(line.rsplit(" ", 1)[1])))
+    cumulative = [(float(sample.labels["le"]), sample.value)
+                  for family in text_string_to_metric_families(text)
+                  for sample in family.samples
+                  if sample.name == "vllm:spec_decode_tree_num_nodes_bucket"]
     steps, below = {}, 0.0
     for le, count in sorted(cumulative):
         if count > below and le != float("inf"):

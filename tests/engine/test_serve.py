@@ -201,11 +201,11 @@ def plain_reference(choices) -> GreedyReference:
 
 
 def counter_total(metrics: str, name: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
+    """The sum of a sample (e.g. a counter's `..._total`) over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(metrics)
+               for sample in family.samples if sample.name == name)
 
 
 def test_vllm_serve_with_a_token_tree(tmp_path):
