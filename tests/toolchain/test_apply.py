@@ -246,47 +246,70 @@ def installed_ruff() -> str:
     return out.split()[-1]
 
 
-def linted_stack(workspace, second_change: str, ruff_rev: str) -> int:
-    """`check` of a two-patch stack on a pristine tree whose pre-commit
-    configuration runs ruff `ruff_rev`; the second patch writes
-    `second_change` into a new module."""
+def check_stack(workspace, patches: list[dict[str, str]], ruff_rev: str | None = None,
+                *check_args: str) -> int:
+    """`check` of a stack of `patches` (each: the files it writes) on the
+    fixture release; with `ruff_rev`, the release's pre-commit configuration
+    runs that ruff."""
     root = Path(tempfile.mkdtemp(dir=workspace["tmp"]))
     pristine = root / "pristine"
     repo = git.Repo.clone_from(workspace["pristine"], pristine)
-    (pristine / ".pre-commit-config.yaml").write_text(
-        f"repos:\n- repo: {apply.RUFF_HOOK}\n  rev: v{ruff_rev}\n  hooks:\n"
-        "  - id: ruff-check\n  - id: ruff-format\n")
-    (pristine / "pyproject.toml").write_text('[tool.ruff.lint]\nselect = ["E", "F", "I"]\n')
-    commit_all(repo, "lint configuration")
-    repo.git.tag("-f", f"v{VERSION}")
+    if ruff_rev:
+        (pristine / ".pre-commit-config.yaml").write_text(
+            f"repos:\n- repo: {apply.RUFF_HOOK}\n  rev: v{ruff_rev}\n  hooks:\n"
+            "  - id: ruff-check\n  - id: ruff-format\n")
+        (pristine / "pyproject.toml").write_text('[tool.ruff.lint]\nselect = ["E", "F", "I"]\n')
+        commit_all(repo, "lint configuration")
+        repo.git.tag("-f", f"v{VERSION}")
     work = root / "work"
     work_repo = git.Repo.clone_from(pristine, work)
-    (work / "vllm/tree.py").write_text("TREE = True\n")
-    commit_all(work_repo, "[Spec Decode] First change\n\n" + HEADER.format(why="first"))
-    (work / "vllm/walk.py").write_text(second_change)
-    commit_all(work_repo, "[Spec Decode] Second change\n\n" + HEADER.format(why="second"))
-    patches = root / "patches"
-    common = [a if a != str(workspace["patches"]) else str(patches) for a in workspace["common"]]
+    for number, files in enumerate(patches, 1):
+        for path, text in files.items():
+            (work / path).write_text(text)
+        commit_all(work_repo, f"[Spec Decode] Change {number}\n\n" + HEADER.format(why=number))
+    patch_dir = root / "patches"
+    common = [a if a != str(workspace["patches"]) else str(patch_dir) for a in workspace["common"]]
     assert apply.main(["export", "--vllm-src", str(work), "--base", f"v{VERSION}", *common]) == 0
-    return apply.main(["check", "--vllm-src", str(pristine), *common])
+    return apply.main(["check", "--vllm-src", str(pristine), *check_args, *common])
 
 
 def test_check_lints_each_patch_with_the_pinned_ruff(workspace, capsys):
     ruff_version = installed_ruff()
-    assert linted_stack(workspace, "WALK = True\n", ruff_version) == 0
+    assert check_stack(workspace, [{"vllm/tree.py": "TREE = True\n"},
+                                   {"vllm/walk.py": "WALK = True\n"}], ruff_version) == 0
     assert f"clean under ruff {ruff_version}" in capsys.readouterr().out
 
-    code = linted_stack(workspace, "import os\n\nWALK = True\n", ruff_version)
+    code = check_stack(workspace, [{"vllm/tree.py": "TREE = True\n"},
+                                   {"vllm/walk.py": "import os\n\nWALK = True\n"}],
+                       ruff_version)
     out = capsys.readouterr()
     assert code == 1
-    assert "0002-Spec-Decode-Second-change.patch (2/2): ruff" in out.err + out.out
+    assert "0002-Spec-Decode-Change-2.patch (2/2): ruff" in out.err + out.out
     assert "vllm/walk.py:1:8: F401" in out.err + out.out
 
 
 def test_check_refuses_a_ruff_other_than_the_pinned_one(workspace, capsys):
-    code = linted_stack(workspace, "WALK = True\n", "0.0.1")
+    code = check_stack(workspace, [{"vllm/tree.py": "TREE = True\n"}], "0.0.1")
     out = capsys.readouterr()
     assert code == 1 and "python3 -m pip install ruff==0.0.1" in out.err + out.out
+
+
+def test_check_imports_each_prefix_of_the_series(workspace, capsys):
+    """With --target, a patch whose modules import only once a later patch
+    lands is named: the series must bisect."""
+    walk_first = [{"vllm/walk.py": "from vllm.tree import TREE\n"},
+                  {"vllm/tree.py": "TREE = True\n"}]
+    code = check_stack(workspace, walk_first, None, "--target", "cuda")
+    out = capsys.readouterr()
+    assert code == 1
+    assert "0001-Spec-Decode-Change-1.patch (1/2): after this patch, importing vllm.walk" \
+        in out.err + out.out
+    assert "No module named 'vllm.tree'" in out.err + out.out
+
+    assert check_stack(workspace, walk_first[::-1], None, "--target", "cuda") == 0
+    out = capsys.readouterr().out
+    assert "(2/2): 2 changed modules import" in out
+    assert "modules it changed import from the cuda wheel" in out
 
 
 def test_build_overlays_the_binary_wheel(workspace, capsys):
