@@ -230,13 +230,29 @@ def test_check_fails_when_reexport_would_change_a_byte(workspace, capsys):
     assert "0001-Spec-Decode-First-change.patch (1/2): re-exporting changes the file" in out
 
 
+def test_registry_says_which_patches_apply_alone(workspace, capsys):
+    registry = (workspace["patches"] / "README.md").read_text()
+    # The first patch edits the release's lines only; the second adds a file
+    # and edits config.py 27 lines below the first patch's change, outside
+    # its context: both apply alone.
+    assert registry.count("- **Applies alone:** yes") == 2
+    code = check_stack(workspace, [{"vllm/tree.py": "TREE = True\n"},
+                                   {"vllm/tree.py": "TREE = False\n"}])
+    assert code == 0
+    (root,) = [p for p in workspace["tmp"].iterdir() if (p / "patches").is_dir()]
+    registry = (root / "patches" / "README.md").read_text()
+    assert "- **Applies alone:** yes" in registry
+    assert "- **Applies alone:** no; it builds on 0001" in registry
+
+
 def test_stale_registry_fails_check(workspace, capsys):
     registry = workspace["patches"] / "README.md"
     assert "**Why:** first" in registry.read_text()
     registry.write_text(registry.read_text() + "hand edit\n")
     code, out = run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])
     assert code == 1 and "README.md is out of date" in out
-    assert run(capsys, "registry", *workspace["common"])[0] == 0
+    assert run(capsys, "registry", "--vllm-src", str(workspace["pristine"]),
+               *workspace["common"])[0] == 0
     assert run(capsys, "check", "--vllm-src", str(workspace["pristine"]), *workspace["common"])[0] == 0
 
 
