@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import contextlib
 import csv
 import hashlib
@@ -653,46 +654,69 @@ def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
     """Each prefix of the series imports: after every patch, this interpreter
     imports every module under vllm/ that the stack has added or changed so
     far, from the binary wheel with the prefix's files laid over it (the
-    wheel `build` would make of that prefix), so that the series bisects."""
+    wheel `build` would make of that prefix), so that the series bisects.
+
+    The prefixes are dealt out to one lane per CPU core (two at most), each
+    with its own copy of the wheel, laid over prefix by prefix in order."""
     commits = repo.git.rev_list("--reverse", f"{base}..{tip}").split()
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(binary_wheel) as wheel:
-        root = Path(tmp) / "site"
-        step(f"* Laying out {binary_wheel.name} to import each prefix of the series")
-        wheel.extractall(root, members=[n for n in wheel.namelist() if n.startswith("vllm/")])
-        members = set(wheel.namelist())
-        laid: dict[str, bytes | None] = {}
-        for patch, commit in zip(patches, commits, strict=True):
-            changes = wheel_changes(repo, base, commit, binary_wheel, quiet=True)
-            for path in set(laid) - set(changes):
-                # A later patch put the file back as the release has it.
-                (root / path).unlink(missing_ok=True)
-                if path in members:
-                    wheel.extract(path, root)
-            for path, data in changes.items():
-                if data is None:
+    prefixes = [wheel_changes(repo, base, commit, binary_wheel, quiet=True)
+                for commit in commits]
+    num_lanes = max(1, min(2, os.cpu_count() or 1, len(prefixes)))
+    step(f"* Laying out {binary_wheel.name} ({num_lanes}x) to import each prefix of the "
+         "series")
+
+    def run_lane(lane: int, tmp: Path) -> dict[int, tuple[str, float, int]]:
+        """Imports prefixes lane, lane + num_lanes, ...; returns, per prefix
+        index, the failure ('' if none), the seconds it took and the number
+        of modules imported."""
+        root = tmp / f"site{lane}"
+        results = {}
+        with zipfile.ZipFile(binary_wheel) as wheel:
+            wheel.extractall(root, members=[n for n in wheel.namelist()
+                                            if n.startswith("vllm/")])
+            members = set(wheel.namelist())
+            laid: dict[str, bytes | None] = {}
+            for index in range(lane, len(prefixes), num_lanes):
+                changes = prefixes[index]
+                for path in set(laid) - set(changes):
+                    # A later patch put the file back as the release has it.
                     (root / path).unlink(missing_ok=True)
-                else:
-                    (root / path).parent.mkdir(parents=True, exist_ok=True)
-                    (root / path).write_bytes(data)
-            laid = changes
-            modules = sorted(
-                path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
-                for path, data in changes.items() if data is not None and path.endswith(".py")
-            )
-            if not modules:
-                continue
-            started = time.monotonic()
-            done = subprocess.run(
-                [sys.executable, "-c", IMPORT_MODULES, *modules], cwd=tmp,
-                env={**os.environ, "PYTHONPATH": str(root)},
-                capture_output=True, text=True,
-            )
-            if done.returncode != 0:
-                raise ToolError(
-                    f"{patch.label}: after this patch, {(done.stdout + done.stderr).strip()}"
+                    if path in members:
+                        wheel.extract(path, root)
+                for path, data in changes.items():
+                    if data is None:
+                        (root / path).unlink(missing_ok=True)
+                    else:
+                        (root / path).parent.mkdir(parents=True, exist_ok=True)
+                        (root / path).write_bytes(data)
+                laid = changes
+                modules = sorted(
+                    path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+                    for path, data in changes.items()
+                    if data is not None and path.endswith(".py")
                 )
-            step(f"* {patch.label}: {len(modules)} changed modules import "
-                 f"({time.monotonic() - started:.0f} s)")
+                if not modules:
+                    continue
+                started = time.monotonic()
+                done = subprocess.run(
+                    [sys.executable, "-c", IMPORT_MODULES, *modules], cwd=tmp,
+                    env={**os.environ, "PYTHONPATH": str(root)},
+                    capture_output=True, text=True,
+                )
+                failure = (done.stdout + done.stderr).strip() if done.returncode else ""
+                results[index] = (failure, time.monotonic() - started, len(modules))
+        return results
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with concurrent.futures.ThreadPoolExecutor(num_lanes) as pool:
+            lanes = [pool.submit(run_lane, lane, Path(tmp)) for lane in range(num_lanes)]
+            results = {i: r for lane in lanes for i, r in lane.result().items()}
+    for index in sorted(results):
+        failure, seconds, num_modules = results[index]
+        if failure:
+            raise ToolError(f"{patches[index].label}: after this patch, {failure}")
+        step(f"* {patches[index].label}: {num_modules} changed modules import "
+             f"({seconds:.0f} s)")
 
 
 def build_wheel(changes: dict[str, bytes | None], binary_wheel: Path, version: str,
