@@ -409,11 +409,8 @@ def pinned_ruff_version(repo: git.Repo, base: str) -> str | None:
 
 
 def ruff(*args: str, cwd: Path | None = None) -> tuple[int, str]:
-    try:
-        done = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=cwd,
-                              capture_output=True, text=True)
-    except OSError as e:  # pragma: no cover - no such interpreter
-        return 1, str(e)
+    done = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=cwd,
+                          capture_output=True, text=True)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -443,10 +440,12 @@ def lint_stack(repo: git.Repo, base: str, tip: str, patches: list[Patch]) -> Non
                 changed = repo.git.diff(
                     "--name-only", "--diff-filter=AM", base, commit, "--", "*.py"
                 ).split()
+                if not changed:
+                    continue
                 findings = []
                 for args in (("check", "--output-format", "concise"), ("format", "--check")):
                     code, out = ruff(*args, "--no-cache", "--force-exclude", *changed,
-                                     cwd=tree) if changed else (0, "")
+                                     cwd=tree)
                     if code != 0:
                         findings.append(out.strip())
                 if findings:
