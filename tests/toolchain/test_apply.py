@@ -243,6 +243,10 @@ def test_registry_says_which_patches_apply_alone(workspace, capsys):
     registry = (root / "patches" / "README.md").read_text()
     assert "- **Applies alone:** yes" in registry
     assert "- **Applies alone:** no; it builds on 0001" in registry
+    # The second patch rewrites the line the first added.
+    assert "- **Removes lines of earlier patches:** none" in registry
+    assert "- **Removes lines of earlier patches:** 1 of 0001" in registry
+    assert "(whitespace ignored): 1 in all." in registry
 
 
 def test_stale_registry_fails_check(workspace, capsys):
