@@ -73,7 +73,7 @@ def drop_the_ancestor_mask() -> None:
 
     def without_mask(self, attn_metadata, common_attn_metadata):
         set_tree_rows(self, attn_metadata, common_attn_metadata)
-        self.tree_mask.fill_(-1)
+        self.tree_ancestor_bits.fill_(-1)
 
     TritonAttentionMetadataBuilder._set_tree_rows = without_mask
 

@@ -223,7 +223,9 @@ def correctness(unified_attention, device, dtype, smoke: bool) -> dict:
         inputs = make_inputs(requests, heads, kv_heads, head_size, dtype, device)
         expected = reference(requests, inputs, window)
         error = (run(unified_attention, inputs, window).float() - expected).abs().max()
-        dropped = dict(inputs, tree_mask=torch.full_like(inputs["tree_mask"], -1))
+        dropped = dict(
+            inputs, tree_ancestor_bits=torch.full_like(inputs["tree_ancestor_bits"], -1)
+        )
         control = (run(unified_attention, dropped, window).float() - expected).abs()
         bad_rows = int((control.flatten(1).max(dim=1).values > tolerance).sum())
         results[name] = {
@@ -281,7 +283,7 @@ def graph_replay(unified_attention, device, dtype, smoke: bool) -> dict:
         value_cache=torch.randn(*cache_shape, dtype=dtype, device=device),
         **batch_metadata([Request(0)] * num_seqs, device, blocks_per_request),
     )
-    static["tree_mask"] = torch.full(
+    static["tree_ancestor_bits"] = torch.full(
         (num_tokens,), -1, dtype=torch.int64, device=device
     )
     static["tree_shift"] = torch.zeros(num_tokens, dtype=torch.int32, device=device)
@@ -309,8 +311,11 @@ def graph_replay(unified_attention, device, dtype, smoke: bool) -> dict:
             seq_lens=torch.cat(
                 (alone["seq_lens"], alone["seq_lens"].new_zeros(pad_seqs))
             ),
-            tree_mask=torch.cat(
-                (alone["tree_mask"], alone["tree_mask"].new_full((pad_rows,), -1))
+            tree_ancestor_bits=torch.cat(
+                (
+                    alone["tree_ancestor_bits"],
+                    alone["tree_ancestor_bits"].new_full((pad_rows,), -1),
+                )
             ),
             tree_shift=torch.cat(
                 (alone["tree_shift"], alone["tree_shift"].new_zeros(pad_rows))
@@ -344,7 +349,7 @@ def graph_replay(unified_attention, device, dtype, smoke: bool) -> dict:
         static[buffer].copy_(value)
     alone, contents = prepared["tree K=3 W=4"]
     for buffer, value in contents.items():
-        if buffer not in ("tree_mask", "tree_shift"):
+        if buffer not in ("tree_ancestor_bits", "tree_shift"):
             static[buffer].copy_(value)
     rows = len(alone["query"])
     stale = (replay()[:rows] - run(unified_attention, alone, window)).abs()

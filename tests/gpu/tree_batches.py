@@ -96,7 +96,7 @@ def batch_metadata(requests, device, blocks_per_request=None) -> dict:
     seq_lens = torch.tensor(
         [r.seq_len for r in requests], dtype=torch.int32, device=device
     )
-    tree_mask = torch.tensor(
+    tree_ancestor_bits = torch.tensor(
         [m for r in requests for m in r.masks], dtype=torch.int64, device=device
     )
     tree_shift = torch.tensor(
@@ -108,7 +108,7 @@ def batch_metadata(requests, device, blocks_per_request=None) -> dict:
         seq_lens=seq_lens,
         max_seqlen_q=int(query_lens.max()),
         max_seqlen_k=int(seq_lens.max()),
-        tree_mask=tree_mask,
+        tree_ancestor_bits=tree_ancestor_bits,
         tree_shift=tree_shift,
     )
 
@@ -154,7 +154,7 @@ def run(unified_attention, inputs, window, use_tree=True):
         q_descale=None,
         k_descale=ones,
         v_descale=ones,
-        tree_mask=inputs["tree_mask"] if use_tree else None,
+        tree_ancestor_bits=inputs["tree_ancestor_bits"] if use_tree else None,
         tree_pos_shift=inputs["tree_shift"] if use_tree else None,
     )
     return output
