@@ -775,7 +775,7 @@ def render_load_sweeps(out: Path) -> list[str]:
         "shared 2-core machines, and the servers speed up over their first minutes, "
         "so each adaptive ratio is also given round by round (a round's runs minutes "
         "apart) with the median of the rounds; a difference of a few percent is "
-        "within that noise. Patch 0021 verifies a step whose tree is a chain (a nested "
+        "within that noise. Patch 0022 verifies a step whose tree is a chain (a nested "
         "tree of the spine alone) as chain speculation does (measured in process on "
         "the cost-scaled target on an earlier machine: a tree server pinned at the "
         "spine's 3 nodes took 10.35 s against chain K=3's 9.34 s before, and 6.90, "
