@@ -257,6 +257,9 @@ def main() -> None:
                              "times, interleaved (config A, B, C, ..., then from a later "
                              "one on: C, ..., A, B), and report each one's median "
                              "tokens/s with every run's")
+    parser.add_argument("--log-dir", type=Path,
+                        help="keep each server's log there (NAME.log; by default "
+                             "they go with the run's scratch directory)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -279,10 +282,12 @@ def main() -> None:
         runs: dict = {}
         servers: dict[str, Server] = {}
         try:
+            log_dir = args.log_dir or scratch
+            log_dir.mkdir(parents=True, exist_ok=True)
             for name in args.configs:
                 print(f"* vllm serve: {name}", flush=True)
                 servers[name] = server = Server(model, configs()[name],
-                                                scratch / f"{name}.log")
+                                                log_dir / f"{name}.log")
                 server.wait_ready()
                 profile = startup_profile(server.log.read_text())
                 if profile:
