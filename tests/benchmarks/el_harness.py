@@ -768,9 +768,10 @@ def render_load_sweeps(out: Path) -> list[str]:
         "How the two sweeps were run. Both start every configuration's server first "
         "and keep them all up (an idle server sleeps), and at each concurrency run "
         "every configuration back to back, rounds interleaved with the order rotated, "
-        "nothing else running on the machine. Both ran in one session on one 2-core "
-        "AMD EPYC machine (the cost-scaled one with 2 rounds, then the trained pair's "
-        "with 3), served by the wheel named under each table. Runs of one "
+        "nothing else running on the machine, on 2-core AMD EPYC machines, served by "
+        "the wheel named under each table: the trained pair's with 3 rounds, the "
+        "cost-scaled target's with 2, in an earlier session and by an earlier "
+        "wheel (the step-time table's correction below came after it). Runs of one "
         "configuration still differ by 10 % to 30 % from round to round on these "
         "shared 2-core machines, and the servers speed up over their first minutes, "
         "so each adaptive ratio is also given round by round (a round's runs minutes "
@@ -785,7 +786,14 @@ def render_load_sweeps(out: Path) -> list[str]:
         "masked attention 0.67 ms, walk 0.38 ms, KV commit 0.37 ms); adaptive sizing pools "
         "start-up profile cells that contradict their neighbours (a larger nested "
         "tree or batch never costs less), so that one noisy cell cannot steer the "
-        "choice.",
+        "choice. The trained pair's sweep is the first with the step-time table's "
+        "correction: a timed step corrects its node count's share at every batch "
+        "size, and the node counts no step times keep their profiled ratio to those "
+        "timed. Before, each batch size learned its own shares only from steps of "
+        "exactly that batch size, and a row's scale and its cells' drifted apart "
+        "while serving (at 16 requests the table's 1-node step rose from 15.6 to "
+        "377 ms while no step drafted), which kept the choice on whatever size it "
+        "ran.",
         "",
         "Where adaptive stands, from the tables below:",
         "",

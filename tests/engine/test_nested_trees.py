@@ -62,8 +62,7 @@ def synthetic_step_times(llm, monkeypatch) -> None:
 
     chooser = llm.llm_engine.engine_core.engine_core.scheduler.tree_size_chooser
     assert chooser.seconds is not None, "the start-up profile did not run"
-    monkeypatch.setattr(tree_sizing.TreeSizeChooser, "_correct_cells",
-                        lambda self, seconds, batch_size, num_nodes: [])
+    monkeypatch.setattr(tree_sizing.TreeSizeChooser, "_correct_table", lambda self: None)
     paths = chooser.nested.ranked_paths
     depths = [max((len(p) for p in paths[:n]), default=0) for n in chooser.node_counts]
     chooser.seconds = np.array([
@@ -176,7 +175,9 @@ def test_tree_size_follows_the_load(references, sizing, monkeypatch):
         assert set(sizes) == {0, 3, 5, 12}
         assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
     else:
-        assert len(sizes) >= 3 and 0 in sizes and 12 in sizes
+        # Steps without drafts (the full batch) and trees of several sizes,
+        # the largest (a probe's, in so short a run) with siblings.
+        assert len(sizes) >= 3 and 0 in sizes and max(sizes) >= 3
 
 
 def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
