@@ -766,17 +766,21 @@ def render_load_sweeps(out: Path) -> list[str]:
         "envelope tree that its measured acceptance and step-time table favour.",
         "",
         "How the two sweeps were run. Both start every configuration's server first "
-        "and keep them all up (an idle server sleeps), and at each concurrency run "
-        "every configuration back to back, rounds interleaved with the order rotated, "
-        "nothing else running on the machine, on 2-core AMD EPYC machines, served by "
-        "the wheel named under each table: the trained pair's with 3 rounds, the "
-        "cost-scaled target's with 2, in an earlier session and by an earlier "
-        "wheel (the step-time table's correction below came after it). Runs of one "
-        "configuration still differ by 10 % to 30 % from round to round on these "
-        "shared 2-core machines, and the servers speed up over their first minutes, "
-        "so each adaptive ratio is also given round by round (a round's runs minutes "
-        "apart) with the median of the rounds; a difference of a few percent is "
-        "within that noise. Patch 0022 verifies a step whose tree is a chain (a nested "
+        "and keep them all up (an idle server sleeps); then each server serves a "
+        "short warm-up that is not counted, one request per slot (at least 4) at every "
+        "concurrency of the sweep (where a sweep's table says so: runs in a server's "
+        "first minutes were up to 40 % slower than later ones, at 1 request the "
+        "first round of every configuration was its slowest, and adaptive sizing "
+        "would be measured while it still learns the traffic's acceptance and step "
+        "times); then at each concurrency every configuration runs back to back, "
+        "rounds interleaved with the order rotated, nothing else running on the "
+        "machine, on 2-core AMD EPYC machines, served by the wheel named under each "
+        "table. Runs of one configuration still differ by 10 % to 30 % from round to "
+        "round on these shared 2-core machines, so each adaptive ratio is also given "
+        "round by round (a round's runs minutes apart) with the median of the rounds; "
+        "a difference of a few percent is within that noise, and the best of five "
+        "fixed configurations' noisy medians is itself biased upward. Patch 0022 "
+        "verifies a step whose tree is a chain (a nested "
         "tree of the spine alone) as chain speculation does (measured in process on "
         "the cost-scaled target on an earlier machine: a tree server pinned at the "
         "spine's 3 nodes took 10.35 s against chain K=3's 9.34 s before, and 6.90, "
@@ -786,14 +790,13 @@ def render_load_sweeps(out: Path) -> list[str]:
         "masked attention 0.67 ms, walk 0.38 ms, KV commit 0.37 ms); adaptive sizing pools "
         "start-up profile cells that contradict their neighbours (a larger nested "
         "tree or batch never costs less), so that one noisy cell cannot steer the "
-        "choice. The trained pair's sweep is the first with the step-time table's "
-        "correction: a timed step corrects its node count's share at every batch "
-        "size, and the node counts no step times keep their profiled ratio to those "
-        "timed. Before, each batch size learned its own shares only from steps of "
+        "choice, and a timed step corrects its node count's share at every batch "
+        "size while the node counts no step times keep their profiled ratio to those "
+        "timed (before, each batch size learned its own shares only from steps of "
         "exactly that batch size, and a row's scale and its cells' drifted apart "
-        "while serving (at 16 requests the table's 1-node step rose from 15.6 to "
-        "377 ms while no step drafted), which kept the choice on whatever size it "
-        "ran.",
+        "while serving: at 16 requests the table's 1-node step rose from 15.6 to "
+        "377 ms while no step drafted, which kept the choice on whatever size it "
+        "ran).",
         "",
         "Where adaptive stands, from the tables below:",
         "",
@@ -817,10 +820,14 @@ def render_load_sweeps(out: Path) -> list[str]:
             "",
         ]
         rounds = setup.get("rounds", 1)
+        warmup = ("Every server first served the warm-up. " if setup.get("warmup")
+                  else "No warm-up: measured from each server's first requests on. ")
         if rounds > 1:
-            lines += [f"Every configuration ran {rounds} times, interleaved (`--rounds "
-                      f"{rounds}`); each cell is its median run, with its lowest and "
-                      "highest in brackets.", ""]
+            lines += [warmup + f"Every configuration ran {rounds} times, interleaved "
+                      f"(`--rounds {rounds}`); each cell is its median run, with its "
+                      "lowest and highest in brackets.", ""]
+        else:
+            lines += [warmup + "Every configuration ran once.", ""]
         lines += [
             "| concurrency | " + " | ".join(SWEEP_CONFIGS[c] for c in configs)
             + " | best fixed |",

@@ -31,7 +31,11 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
         adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
         --rounds 2
 
-All the servers start first and stay up (an idle one sleeps), and each
+All the servers start first and stay up (an idle one sleeps), then each
+serves a short warm-up at every concurrency of the sweep, not counted (runs
+in a server's first minutes were up to 40 % slower than later ones, and
+adaptive sizing would be measured while it still learns this traffic's
+acceptance and step times; `--no-warmup` leaves it out), and each
 concurrency runs every configuration back to back, so that the machine's drift
 over minutes (serve tokens/s on this 2-core machine vary by up to 20 % from
 one run to the next) falls alike on the configurations compared. `--rounds N`
@@ -98,6 +102,9 @@ PROMPTS_PER_CONCURRENCY = {
     "trained": {1: 40, 4: 128, 16: 320, 32: 448},
     "cost_scaled": {1: 24, 4: 48, 16: 96, 32: 128},
 }
+# Warm-up prompts per request slot at each concurrency (and the fewest).
+WARMUP_PROMPTS_PER_SLOT = 1
+MIN_WARMUP_PROMPTS = 4
 TARGETS = tuple(PROMPTS_PER_CONCURRENCY)
 DEFAULT_CONFIGS = ("plain", "chain_k3", "tree_k3_w4")
 DEFAULT_CONCURRENCY = (1, 16)
@@ -257,6 +264,11 @@ def main() -> None:
                              "times, interleaved (config A, B, C, ..., then from a later "
                              "one on: C, ..., A, B), and report each one's median "
                              "tokens/s with every run's")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="measure from each server's first requests on (by "
+                             "default every server first serves, uncounted, "
+                             f"{WARMUP_PROMPTS_PER_SLOT} prompts per request slot "
+                             f"(at least {MIN_WARMUP_PROMPTS}) at each concurrency)")
     parser.add_argument("--log-dir", type=Path,
                         help="keep each server's log there (NAME.log; by default "
                              "they go with the run's scratch directory)")
@@ -293,6 +305,14 @@ def main() -> None:
                 if profile:
                     results.setdefault("startup_profile", {})[name] = profile
                     print(f"  start-up profile: {profile['seconds']} s", flush=True)
+            if args.warmup:
+                print("* warm-up (not counted): every server at concurrency "
+                      + ", ".join(map(str, args.concurrency)), flush=True)
+                for name in args.configs:
+                    for concurrency in args.concurrency:
+                        bench(servers[name].url, model, prompts, concurrency,
+                              max(MIN_WARMUP_PROMPTS, WARMUP_PROMPTS_PER_SLOT * concurrency),
+                              scratch, f"warmup_{name}_{concurrency}.json", output_len)
             for concurrency in args.concurrency:
                 for round_index in range(args.rounds):
                     # Each round starts further along the list, so that no
@@ -335,7 +355,8 @@ def main() -> None:
     results["setup"] = {"target": args.target, "prompt_tokens": args.prompt_tokens,
                         "output_tokens": args.output_tokens_range or OUTPUT_LEN,
                         "prompts": PROMPTS_PER_CONCURRENCY[args.target],
-                        "rounds": args.rounds, "vllm": served_version()}
+                        "rounds": args.rounds, "warmup": args.warmup,
+                        "vllm": served_version()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
