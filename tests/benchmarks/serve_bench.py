@@ -32,13 +32,13 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
         --rounds 2
 
 All the servers start first and stay up (an idle one sleeps), then each
-serves a short warm-up at every concurrency of the sweep, not counted (runs
-in a server's first minutes were up to 40 % slower than later ones, and
-adaptive sizing would be measured while it still learns this traffic's
-acceptance and step times; `--no-warmup` leaves it out), and each
+serves a short warm-up at every concurrency of the sweep, not counted (so
+that no run pays a server's first use of its shapes, and adaptive sizing is
+not measured while it still learns this traffic's acceptance and step times;
+`--no-warmup` leaves it out), and each
 concurrency runs every configuration back to back, so that the machine's drift
-over minutes (serve tokens/s on this 2-core machine vary by up to 20 % from
-one run to the next) falls alike on the configurations compared. `--rounds N`
+over minutes (serve tokens/s on this 2-core machine have varied by up to 85 %
+from one round to the next, warm-up or not) falls alike on the configurations compared. `--rounds N`
 runs every configuration N times at each concurrency, interleaved, each round
 starting further along the list (so that none always runs first or last in its
 round), and keeps each one's median run; each adaptive configuration's ratio
