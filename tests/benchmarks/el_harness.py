@@ -738,6 +738,27 @@ def output_tokens(setting: int | list[int]) -> str:
     return f"drawn per prompt from {low} to {high} (seeded, `--output-tokens-range {low} {high}`)"
 
 
+def control_ratios(sweep: dict) -> str | None:
+    """A sweep's control (serve_bench.py --control: a second, identical server
+    of one fixed configuration) over its twin at every concurrency, median
+    runs and round by round; None without one."""
+    twin = sweep.get("setup", {}).get("control")
+    if not twin:
+        return None
+    key = f"{twin}_control_over_{twin}"
+    concurrencies = [c for c in sweep if c.isdigit()]
+    cells = []
+    for c in concurrencies:
+        cell = f"{sweep[c][key]:.2f}x at {c}"
+        if f"{key}_by_round" in sweep[c]:
+            cell += " (rounds " + ", ".join(
+                f"{x:.2f}" for x in sweep[c][f"{key}_by_round"]) + ")"
+        cells.append(cell)
+    return (f"a second {SWEEP_CONFIGS[twin]} server, identical to the first "
+            f"(`--control {twin}`), ran as one more configuration; its tokens/s over "
+            "the first's (median runs): " + ", ".join(cells))
+
+
 def sweep_cell(result: dict) -> str:
     """Tokens/s of a configuration's median run, and the range of its runs."""
     runs = result.get("output_throughput_runs")
@@ -777,7 +798,10 @@ def render_load_sweeps(out: Path) -> list[str]:
         "round on these shared 2-core machines, warm-up or not (the machine drifts: "
         "in the trained pair's sweep every configuration's third round at 1 request "
         "was 1.2x to 1.9x its first), so each adaptive ratio is also given "
-        "round by round (a round's runs minutes apart) with the median of the rounds; "
+        "round by round (a round's runs minutes apart) with the median of the rounds, "
+        "and a sweep that names a control also served one fixed configuration from a "
+        "second, identical server (`--control`), whose ratio to the first is what the "
+        "machine alone makes of two equal servers; "
         "a difference of a few percent is within that noise, and the best of five "
         "fixed configurations' noisy medians is itself biased upward. Patch 0022 "
         "verifies a step whose tree is a chain (a nested "
@@ -828,6 +852,11 @@ def render_load_sweeps(out: Path) -> list[str]:
                       "lowest and highest in brackets.", ""]
         else:
             lines += [warmup + "Every configuration ran once.", ""]
+        control = control_ratios(sweep)
+        if control:
+            lines += ["Control: " + control + ". Two ratios of configurations that "
+                      "differ by less than the control's are not told apart by this "
+                      "sweep.", ""]
         lines += [
             "| concurrency | " + " | ".join(SWEEP_CONFIGS[c] for c in configs)
             + " | best fixed |",
@@ -913,6 +942,9 @@ def sweep_standing(sweeps: list) -> list[str]:
                     if ratio > margins.get(f, (0.0, ""))[0]:
                         margins[f] = (ratio, f"{SWEEP_CONFIGS[n]}, {label}, {c} "
                                             + ("request" if c == "1" else "requests"))
+        control = control_ratios(sweep)
+        if control:
+            lines.append(f"- The resolution of {label}'s ratios: {control}.")
     if margins:
         lines.append(
             "- Adaptive's largest margin over each fixed configuration (10 % or more "

@@ -23,13 +23,13 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --name serve_sweep \
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
         adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
-        --rounds 3
+        --rounds 3 --control plain
     # the same sweep on the cost-scaled target, two rounds:
     build/test-venv/bin/python tests/benchmarks/serve_bench.py \
         --name serve_sweep_cost_scaled --target cost_scaled --prompt-tokens 64 \
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
         adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
-        --rounds 2
+        --rounds 2 --control chain_k3
 
 All the servers start first and stay up (an idle one sleeps), then each
 serves a short warm-up at every concurrency of the sweep, not counted (so
@@ -43,7 +43,10 @@ runs every configuration N times at each concurrency, interleaved, each round
 starting further along the list (so that none always runs first or last in its
 round), and keeps each one's median run; each adaptive configuration's ratio
 to the best fixed one is then also taken round by round (runs minutes apart),
-and its median reported. `--output-tokens-range LOW HIGH` gives
+and its median reported. `--control NAME` serves the fixed configuration NAME
+twice, the second server as one more configuration (NAME_control, in no
+ratio of its own): the two differ by nothing but the machine, so their ratio
+is the sweep's resolution. `--output-tokens-range LOW HIGH` gives
 each prompt its own output length instead of 64 (the load sweeps: with one
 length for all, requests that start together end together and plain decoding
 prefills the next ones as one large wave, which speculation breaks up).
@@ -102,6 +105,8 @@ PROMPTS_PER_CONCURRENCY = {
     "trained": {1: 40, 4: 128, 16: 320, 32: 448},
     "cost_scaled": {1: 24, 4: 48, 16: 96, 32: 128},
 }
+# `--control NAME` serves NAME a second time under NAME + this suffix.
+CONTROL_SUFFIX = "_control"
 # Warm-up prompts per request slot at each concurrency (and the fewest).
 WARMUP_PROMPTS_PER_SLOT = 1
 MIN_WARMUP_PROMPTS = 4
@@ -213,16 +218,41 @@ def median_run(runs: list[dict]) -> dict:
     return median
 
 
+def by_round(runs: list[float] | None, other_runs: list[float] | None) -> list[float]:
+    """Tokens/s of one configuration over another's, round by round (empty
+    unless both ran the same several rounds)."""
+    if not runs or not other_runs or len(runs) != len(other_runs):
+        return []
+    return [a / b for a, b in zip(runs, other_runs)]
+
+
 def ratios(by_config: dict) -> dict:
     """Each adaptive configuration's tokens/s over the best fixed one's
     (`<name>_over_best_fixed`) and over every fixed one's
     (`<name>_over_<fixed>`), of their median runs. With several rounds, also
     its tokens/s over the best fixed configuration's in each round
     (`<name>_over_best_fixed_by_round`, runs minutes apart rather than up to
-    a sweep's length) and their median (`<name>_over_best_fixed_paired`)."""
+    a sweep's length) and their median (`<name>_over_best_fixed_paired`).
+
+    A control (`--control`: a second, identical server of a fixed
+    configuration) is no configuration of its own: its tokens/s over its
+    twin's (`<twin>_control_over_<twin>`, and by round) is how far two
+    identical servers differ in this sweep, the resolution of every other
+    ratio."""
     fixed = {n: r["output_throughput"] for n, r in by_config.items()
-             if isinstance(r, dict) and not n.startswith("adaptive")}
+             if isinstance(r, dict) and not n.startswith("adaptive")
+             and not n.endswith(CONTROL_SUFFIX)}
     out = {}
+    for name, r in by_config.items():
+        twin = name.removesuffix(CONTROL_SUFFIX)
+        if name.endswith(CONTROL_SUFFIX) and twin in by_config:
+            out[f"{name}_over_{twin}"] = (r["output_throughput"]
+                                          / by_config[twin]["output_throughput"])
+            control_by_round = by_round(r.get("output_throughput_runs"),
+                                        by_config[twin].get("output_throughput_runs"))
+            if control_by_round:
+                out[f"{name}_over_{twin}_by_round"] = control_by_round
+                out[f"{name}_over_{twin}_paired"] = statistics.median(control_by_round)
     if not fixed:
         return out
     best = max(fixed, key=fixed.get)
@@ -232,12 +262,11 @@ def ratios(by_config: dict) -> dict:
         out[f"{name}_over_best_fixed"] = r["output_throughput"] / fixed[best]
         for other, tok_s in fixed.items():
             out[f"{name}_over_{other}"] = r["output_throughput"] / tok_s
-        runs, best_runs = (r.get("output_throughput_runs"),
-                           by_config[best].get("output_throughput_runs"))
-        if runs and best_runs and len(runs) == len(best_runs):
-            by_round = [a / b for a, b in zip(runs, best_runs)]
-            out[f"{name}_over_best_fixed_by_round"] = by_round
-            out[f"{name}_over_best_fixed_paired"] = statistics.median(by_round)
+        over_best_by_round = by_round(r.get("output_throughput_runs"),
+                                      by_config[best].get("output_throughput_runs"))
+        if over_best_by_round:
+            out[f"{name}_over_best_fixed_by_round"] = over_best_by_round
+            out[f"{name}_over_best_fixed_paired"] = statistics.median(over_best_by_round)
     return out
 
 
@@ -264,6 +293,12 @@ def main() -> None:
                              "times, interleaved (config A, B, C, ..., then from a later "
                              "one on: C, ..., A, B), and report each one's median "
                              "tokens/s with every run's")
+    parser.add_argument("--control", choices=[n for n, spec in configs().items()
+                                              if not (spec or {}).get(
+                                                  "enable_adaptive_verification")],
+                        help="serve this fixed configuration a second time, as one "
+                             f"more configuration (NAME{CONTROL_SUFFIX}): how far two "
+                             "identical servers differ is the sweep's resolution")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure from each server's first requests on (by "
                              "default every server first serves, uncounted, "
@@ -275,6 +310,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.control:
+        args.configs = [*args.configs, args.control + CONTROL_SUFFIX]
     if args.output_tokens_range and not 1 <= args.output_tokens_range[0] <= \
             args.output_tokens_range[1]:
         parser.error("--output-tokens-range needs 1 <= LOW <= HIGH, got "
@@ -298,8 +335,9 @@ def main() -> None:
             log_dir.mkdir(parents=True, exist_ok=True)
             for name in args.configs:
                 print(f"* vllm serve: {name}", flush=True)
-                servers[name] = server = Server(model, configs()[name],
-                                                log_dir / f"{name}.log")
+                servers[name] = server = Server(
+                    model, configs()[name.removesuffix(CONTROL_SUFFIX)],
+                    log_dir / f"{name}.log")
                 server.wait_ready()
                 profile = startup_profile(server.log.read_text())
                 if profile:
@@ -343,7 +381,15 @@ def main() -> None:
             by_config["tree_over_chain"] = (by_config["tree_k3_w4"]["output_throughput"]
                                             / by_config["chain_k3"]["output_throughput"])
         fixed = {n: r["output_throughput"] for n, r in by_config.items()
-                 if isinstance(r, dict) and not n.startswith("adaptive")}
+                 if isinstance(r, dict) and not n.startswith("adaptive")
+                 and not n.endswith(CONTROL_SUFFIX)}
+        for name in by_config:
+            twin = name.removesuffix(CONTROL_SUFFIX)
+            if name.endswith(CONTROL_SUFFIX) and f"{name}_over_{twin}" in by_config:
+                print(f"concurrency {concurrency}: control {name} "
+                      f"{by_config[f'{name}_over_{twin}']:.2f}x {twin}"
+                      + (f" (by round {by_config[f'{name}_over_{twin}_paired']:.2f}x)"
+                         if f"{name}_over_{twin}_paired" in by_config else ""))
         if fixed:
             best = max(fixed, key=fixed.get)
             print(f"concurrency {concurrency}: best fixed {best} "
@@ -356,6 +402,7 @@ def main() -> None:
                         "output_tokens": args.output_tokens_range or OUTPUT_LEN,
                         "prompts": PROMPTS_PER_CONCURRENCY[args.target],
                         "rounds": args.rounds, "warmup": args.warmup,
+                        "control": args.control,
                         "vllm": served_version()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
