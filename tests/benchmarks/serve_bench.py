@@ -311,6 +311,8 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.control:
+        if args.control not in args.configs:
+            parser.error(f"--control {args.control} needs {args.control} in --configs")
         args.configs = [*args.configs, args.control + CONTROL_SUFFIX]
     if args.output_tokens_range and not 1 <= args.output_tokens_range[0] <= \
             args.output_tokens_range[1]:
