@@ -37,6 +37,7 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import sys
 import time
 from collections import Counter
@@ -794,10 +795,9 @@ def render_load_sweeps(out: Path) -> list[str]:
         "while it still learns the traffic's acceptance and step times; then at each concurrency every configuration runs back to back, "
         "rounds interleaved with the order rotated, nothing else running on the "
         "machine, on 2-core AMD EPYC machines, served by the wheel named under each "
-        "table. Runs of one configuration still differ by 10 % to 85 % from round to "
-        "round on these shared 2-core machines, warm-up or not (the machine drifts: "
-        "in the trained pair's sweep every configuration's third round at 1 request "
-        "was 1.2x to 1.9x its first), so each adaptive ratio is also given "
+        "table. Runs of one configuration still differ from round to round on these "
+        "shared 2-core machines, warm-up or not" + round_spread(sweeps) + ", so each "
+        "adaptive ratio is also given "
         "round by round (a round's runs minutes apart) with the median of the rounds, "
         "and a sweep that names a control also served one fixed configuration from a "
         "second, identical server (`--control`), whose ratio to the first is what the "
@@ -820,7 +820,18 @@ def render_load_sweeps(out: Path) -> list[str]:
         "exactly that batch size, and a row's scale and its cells' drifted apart "
         "while serving: at 16 requests the table's 1-node step rose from 15.6 to "
         "377 ms while no step drafted, which kept the choice on whatever size it "
-        "ran).",
+        "ran). From 0.32.0+tree.22.g9c379ef3 on, adaptive sizing times a step only "
+        "after a step of its own size, and a probe of another size runs 3 steps, the "
+        "last one timed: the first step of a size after another runs slower than its "
+        "later ones (traced at 4 requests on the trained pair: no drafts took 7.8 ms "
+        "right after a tree, 6.3 ms on a server held at no drafts), and timing it "
+        "priced no drafts too high. Tree mode itself does not slow a step without "
+        "drafts: at 32 requests on the trained pair, a server of the planned 32-node "
+        "tree held at no drafts by a fixed schedule "
+        "(`num_speculative_tokens_per_batch_size: [[1, 1024, 0]]`) served 1.00x to "
+        "1.20x plain in 6 alternating rounds (median 1.09x), where an adaptive one "
+        "(drafting 3 nodes on 85 % of its steps there) served 0.90x to 1.02x (median "
+        "0.95x).",
         "",
         "Where adaptive stands, from the tables below:",
         "",
@@ -908,6 +919,24 @@ def render_load_sweeps(out: Path) -> list[str]:
         lines.append("")
     plot_load_sweeps(sweeps, out / "serve_sweep.png")
     return lines
+
+
+def round_spread(sweeps: list) -> str:
+    """How far apart one configuration's runs at one concurrency were, in the
+    sweeps that ran rounds (the median and the largest ratio of its fastest
+    run to its slowest), as a parenthesis; empty without rounds."""
+    spreads = []
+    for _, label, sweep in sweeps:
+        ratios = [max(runs) / min(runs)
+                  for c in sweep if c.isdigit()
+                  for result in sweep[c].values()
+                  if isinstance(result, dict)
+                  and len(runs := result.get("output_throughput_runs", [])) > 1]
+        if ratios:
+            spreads.append(f"in {label}'s sweep a configuration's fastest run at one "
+                           f"concurrency was {statistics.median(ratios):.2f}x its "
+                           f"slowest at the median, {max(ratios):.2f}x at most")
+    return f" (the machine drifts: {'; '.join(spreads)})" if spreads else ""
 
 
 def sweep_standing(sweeps: list) -> list[str]:
