@@ -874,6 +874,18 @@ def render_load_sweeps(out: Path) -> list[str]:
         rounds = setup.get("rounds", 1)
         warmup = ("Every server first served the warm-up. " if setup.get("warmup")
                   else "No warm-up: measured from each server's first requests on. ")
+        if "client_nice" not in setup:
+            warmup += ("The client ran at normal priority, and the client and the "
+                       "servers' front ends on any core. ")
+        elif setup.get("front_end_cpus"):
+            warmup += ("The client ran at the lowest CPU priority (nice "
+                       f"{setup['client_nice']}); it and every server process but the "
+                       "model workers ran on CPU " + ", ".join(
+                           map(str, setup["front_end_cpus"])) + ", which vLLM leaves "
+                       "to the front end (it binds the workers). ")
+        else:
+            warmup += ("The client ran at the lowest CPU priority (nice "
+                       f"{setup['client_nice']}). ")
         if rounds > 1:
             lines += [warmup + f"Every configuration ran {rounds} times, interleaved "
                       f"(`--rounds {rounds}`); each cell is its median run, with its "

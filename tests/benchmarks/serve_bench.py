@@ -51,6 +51,14 @@ each prompt its own output length instead of 64 (the load sweeps: with one
 length for all, requests that start together end together and plain decoding
 prefills the next ones as one large wave, which speculation breaks up).
 
+The client runs at the lowest CPU priority (nice 19), standing for clients
+on other machines: on a 2-core machine it otherwise takes most of a core
+(84 % at 16 requests) from the server it measures. Once the servers are up,
+the client and every server process but the model workers (whose OpenMP
+threads vLLM binds, leaving at least one core to the rest) keep to the CPUs
+the workers leave, so that the front ends and schedulers take turns with one
+another and the client, not with the model.
+
 (`vllm bench serve` reads the prompt file with pandas, from the `bench`
 extra, which installing the wheel without extras leaves out.) It writes
 docs/benchmarks/NAME.json; `el_harness.py --render-only` puts serve_bench.json
@@ -61,11 +69,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -116,6 +127,32 @@ DEFAULT_CONCURRENCY = (1, 16)
 OUTPUT_LEN = 64
 
 
+def front_end_cpus(servers: list[Server]) -> set[int] | None:
+    """The CPUs this process may use that no server's model worker is bound
+    to (vLLM binds each worker's OpenMP threads and leaves at least one core
+    to the rest of the server); None where the workers' cover them all."""
+    bound: set[int] = set()
+    for server in servers:
+        for process in psutil.Process(server.process.pid).children(recursive=True):
+            if process.name().startswith("VLLM::Worker"):
+                bound |= set(process.cpu_affinity())
+    return (os.sched_getaffinity(0) - bound) or None
+
+
+def pin_front_end(server: Server, cpus: set[int]) -> None:
+    """Binds every thread of the server's processes but its model workers
+    to `cpus`."""
+    root = psutil.Process(server.process.pid)
+    for process in [root, *root.children(recursive=True)]:
+        if process.name().startswith("VLLM::Worker"):
+            continue
+        for thread in process.threads():
+            try:
+                os.sched_setaffinity(thread.id, cpus)
+            except OSError:
+                pass  # the thread ended
+
+
 def write_prompts(path: Path, prompt_tokens: int,
                   output_tokens: tuple[int, int] | None = None) -> None:
     """The prompts file of `vllm bench serve`; with `output_tokens`, each
@@ -158,9 +195,18 @@ def tree_sizes(url: str) -> dict[int, int]:
 
 
 def bench(url: str, model: Path, prompts: Path, concurrency: int, num_prompts: int,
-          result_dir: Path, name: str, output_len: int = OUTPUT_LEN) -> dict:
+          result_dir: Path, name: str, output_len: int = OUTPUT_LEN,
+          cpus: set[int] | None = None) -> dict:
     """One `vllm bench serve` run of `num_prompts` prompts; `output_len` -1:
-    each prompt's own output_tokens."""
+    each prompt's own output_tokens. The client runs at the lowest CPU
+    priority, on `cpus` if given: it stands for clients on other machines,
+    and takes only what the server leaves of the cores they share."""
+
+    def lowest_priority() -> None:
+        os.nice(19)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     sizes_before = tree_sizes(url)
     command = [
         str(Path(sys.executable).with_name("vllm")), "bench", "serve",
@@ -172,7 +218,8 @@ def bench(url: str, model: Path, prompts: Path, concurrency: int, num_prompts: i
         "--ignore-eos", "--seed", "0", "--disable-tqdm",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
     ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL,
+                   preexec_fn=lowest_priority)
     result = json.loads((result_dir / name).read_text())
     summary = {key: result[key] for key in (
         "completed", "output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms")}
@@ -332,6 +379,7 @@ def main() -> None:
         output_len = -1 if args.output_tokens_range else OUTPUT_LEN
         runs: dict = {}
         servers: dict[str, Server] = {}
+        cpus = None
         try:
             log_dir = args.log_dir or scratch
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -345,6 +393,14 @@ def main() -> None:
                 if profile:
                     results.setdefault("startup_profile", {})[name] = profile
                     print(f"  start-up profile: {profile['seconds']} s", flush=True)
+            # The server's front end and scheduler, and the client, keep to
+            # the cores vLLM leaves them: else they take turns with the model
+            # on its core, and with one another.
+            cpus = front_end_cpus(list(servers.values()))
+            if cpus:
+                for server in servers.values():
+                    pin_front_end(server, cpus)
+                print(f"* front ends and client on CPUs {sorted(cpus)}", flush=True)
             if args.warmup:
                 print("* warm-up (not counted): every server at concurrency "
                       + ", ".join(map(str, args.concurrency)), flush=True)
@@ -352,7 +408,8 @@ def main() -> None:
                     for concurrency in args.concurrency:
                         bench(servers[name].url, model, prompts, concurrency,
                               max(MIN_WARMUP_PROMPTS, WARMUP_PROMPTS_PER_SLOT * concurrency),
-                              scratch, f"warmup_{name}_{concurrency}.json", output_len)
+                              scratch, f"warmup_{name}_{concurrency}.json", output_len,
+                              cpus)
             for concurrency in args.concurrency:
                 for round_index in range(args.rounds):
                     # Each round starts further along the list, so that no
@@ -361,7 +418,8 @@ def main() -> None:
                     for name in args.configs[shift:] + args.configs[:shift]:
                         result = bench(servers[name].url, model, prompts, concurrency,
                                        PROMPTS_PER_CONCURRENCY[args.target][concurrency],
-                                       scratch, f"{name}_{concurrency}.json", output_len)
+                                       scratch, f"{name}_{concurrency}.json", output_len,
+                                       cpus)
                         runs.setdefault((str(concurrency), name), []).append(result)
                         print(f"  concurrency {concurrency}, {name}"
                               + (f" (round {round_index + 1} of {args.rounds})"
@@ -405,6 +463,7 @@ def main() -> None:
                         "prompts": PROMPTS_PER_CONCURRENCY[args.target],
                         "rounds": args.rounds, "warmup": args.warmup,
                         "control": args.control,
+                        "client_nice": 19, "front_end_cpus": sorted(cpus) if cpus else None,
                         "vllm": served_version()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")

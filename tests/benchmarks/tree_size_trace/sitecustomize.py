@@ -8,7 +8,8 @@ step before it, and the predicted table at every change of size.
         vllm serve ...   # writes /some/dir/name.<pid>.jsonl per process
 
 Fields: t (the step's start, perf_counter seconds), B (requests), v (nodes
-verified), d (decodes only), n (nodes drafted); dt, tB, tn (the last step's
+verified), d (decodes only), n (nodes drafted), us (microseconds the
+chooser's step took, in the scheduler); dt, tB, tn (the last step's
 timed seconds, requests and node count, when it was timed); switch (from, to,
 and per candidate node count E[L], predicted ms, predicted tokens/s, the row
 and column scales, the columns' timed steps and lent shares). `replay.py`
@@ -21,6 +22,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 _PATH = os.environ.get("TREE_SIZE_TRACE")
 _MODULE = "vllm.v1.spec_decode.tree_sizing"
@@ -35,9 +37,11 @@ def _install(tree_sizing) -> None:
     def traced_step(self, now, batch_size, verified_num_nodes, decodes_only):
         last = self._last_step
         before = self.current
+        started = time.perf_counter()
         num_nodes = step(self, now, batch_size, verified_num_nodes, decodes_only)
         record = {"t": now, "B": batch_size, "v": verified_num_nodes,
-                  "d": decodes_only, "n": num_nodes}
+                  "d": decodes_only, "n": num_nodes,
+                  "us": round(1e6 * (time.perf_counter() - started), 1)}
         if last is not None:
             record.update(dt=now - last[0], tB=last[1], tn=last[2])
         if self.current != before and self.seconds is not None:
