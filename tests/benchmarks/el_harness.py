@@ -848,7 +848,26 @@ def render_load_sweeps(out: Path) -> list[str]:
         "(`num_speculative_tokens_per_batch_size: [[1, 1024, 0]]`) served 1.00x to "
         "1.20x plain in 6 alternating rounds (median 1.09x), where an adaptive one "
         "(drafting 3 nodes on 85 % of its steps there) served 0.90x to 1.02x (median "
-        "0.95x).",
+        "0.95x). From 0.32.0+tree.22.g35bbb4fe on, what a probe's column leaves of its "
+        "error corrects the cells of the batch sizes it lies between: a start-up "
+        "profile that shared the cores with another process (a test run) priced no "
+        "drafts at 4 to 32 requests at 2 to 4x what served steps took, and at 1 and 2 "
+        "requests right, which neither a row (fitted to the size the choice runs) nor "
+        "a column (shared by every batch size) can correct, and that server drafted 3 "
+        "nodes on 94 % of its steps at 16 requests. The size is chosen anew on a "
+        "change of the batch size only once it moved by a quarter of the one chosen "
+        "for, and a timed step keeps the column shares centred from its own column's "
+        "terms: traced inside `vllm serve` (`us`, the chooser's own time per step, in "
+        "`tests/benchmarks/tree_size_trace`), at 16 requests, where a request ends or "
+        "arrives every few steps, the chooser took 295 us per step on average, "
+        "choosing on 29 % of the steps at 0.3 to 1.4 ms each (30 to 140 us in "
+        "process: served, the scheduler shares its core with the front end and the "
+        "client), and 32 us after, choosing on 7 %. The sweeps from then on run the "
+        "client at the lowest CPU priority (it stands for clients on other machines, "
+        "and took 84 % of a core at 16 requests) and keep it and every server "
+        "process but the model workers on the CPU the workers leave (vLLM binds the "
+        "workers' OpenMP threads and leaves a core to the rest, without binding the "
+        "rest to it).",
         "",
         "Where adaptive stands, from the tables below:",
         "",

@@ -55,7 +55,10 @@ def synthetic_step_times(llm, monkeypatch) -> None:
     draft forward + 25 us per row and request (rows cost more in a larger
     batch), left uncorrected: the size then follows the batch and the
     measured acceptance, not this machine (the whole tree for one or two
-    requests, a few nodes for 4 to 16, none from about 24)."""
+    requests, a few nodes for 4 to 16, none from about 24), at rows of 1 to
+    32 requests whichever batch sizes the profile timed (on a busy machine
+    its time bound leaves some out, and a table of fewer rows chooses
+    otherwise)."""
     import numpy as np
 
     from vllm.v1.spec_decode import tree_sizing
@@ -65,6 +68,7 @@ def synthetic_step_times(llm, monkeypatch) -> None:
     monkeypatch.setattr(tree_sizing.TreeSizeChooser, "_correct_table", lambda self: None)
     paths = chooser.nested.ranked_paths
     depths = [max((len(p) for p in paths[:n]), default=0) for n in chooser.node_counts]
+    chooser.batch_sizes = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
     chooser.seconds = np.array([
         [6e-3 + 1e-3 * depth + 25e-6 * batch * batch * (n + 1)
          for n, depth in zip(chooser.node_counts, depths)]
@@ -153,8 +157,9 @@ def test_tree_size_follows_the_load(references, sizing, monkeypatch):
             synthetic_step_times(llm, monkeypatch)
         got = generate(llm, greedy(batch))
         greedy_counters = spec_decode_counters(llm)
-        sizes = tree_sizes(llm)
+        greedy_sizes = tree_sizes(llm)
         sampled = generate(llm, seeded(batch))
+        sizes = tree_sizes(llm)
         oracle = ScoreOracle(llm)
         assert_seeded_identical(sampled, sampled_expected, seeded(batch), oracle,
                                 f"nested trees by {sizing}, seeded")
@@ -166,18 +171,22 @@ def test_tree_size_follows_the_load(references, sizing, monkeypatch):
           f"({drafted / drafts:.2f} per draft), accepted "
           f"{greedy_counters['num_accepted_tokens']}, rescued per depth "
           f"{greedy_counters['num_rescued_tokens_per_pos']}")
-    print(f"nested trees by {sizing}: steps per drafted node count {sizes}")
+    print(f"nested trees by {sizing}: steps per drafted node count {greedy_sizes} "
+          f"greedy, {sizes} with the seeded requests after them")
     # Trees of several sizes were verified and drafts accepted; with the
     # schedule's long runs of the whole tree, runner-ups too.
     assert 1 < drafted / drafts < 12
     assert greedy_counters["num_accepted_tokens"] > 0
     if sizing == "schedule":
-        assert set(sizes) == {0, 3, 5, 12}
+        assert set(greedy_sizes) == {0, 3, 5, 12}
         assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
     else:
-        # Steps without drafts (the full batch) and trees of several sizes,
-        # the largest (a probe's, in so short a run) with siblings.
-        assert len(sizes) >= 3 and 0 in sizes and max(sizes) >= 3
+        # Steps without drafts (the full batch) and trees of several sizes;
+        # over both runs, one with siblings (few steps run at few requests,
+        # several requests ending per step, and the size is chosen anew only
+        # as the batch shrinks by a quarter).
+        assert len(greedy_sizes) >= 3 and 0 in greedy_sizes
+        assert max(sizes) > 3
 
 
 def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
