@@ -864,7 +864,21 @@ def render_load_sweeps(out: Path) -> list[str]:
         "and 0.66 ms on average over the run's batch sizes; 18 to 140 us in "
         "process: served, the scheduler shares "
         "its core with the front end and the client), and 32 us after, choosing on 7 "
-        "%. The sweeps from then on run the client at the lowest CPU priority (it "
+        "%. From 0.32.0+tree.22.gc6ce0ffe on, the probes take turns over the "
+        "runner-up, no drafts and the node counts next to the current one. In the "
+        "cost-scaled sweep on 0.32.0+tree.22.g36841bed the K=3, W=4 server ran 4 "
+        "nodes (the spine and a sibling, a tree) on 96 % of its steps at 1 request, "
+        "where 3 nodes (the spine, verified as a chain) were better: served, 4 nodes "
+        "took 34.9 ms, 18 % over the profile's cell, and 3 nodes 29.2 ms, 5 % over "
+        "it; the rows, fitted to the 4 nodes chosen, priced 3 nodes at 34.7 ms, and "
+        "after one slow step of theirs the probes, of the runner-up (6 nodes) and no "
+        "drafts, never timed them again (replaying that server's trace, the sizes it "
+        "chose yielded 12 % fewer tokens per second than 3 nodes would have). On "
+        "0.32.0+tree.22.gc6ce0ffe, in 2 alternating rounds on the cost-scaled target "
+        "(chain K=3 and both adaptive servers only), that server ran 3 nodes on 95 % "
+        "of its steps at 1 request, 1.01x and 1.03x chain K=3, and 0.99x and 0.97x at "
+        "4 requests (adaptive planned 32: 1.15x and 1.25x, then 1.05x and 0.97x). "
+        "The sweeps from then on run the client at the lowest CPU priority (it "
         "stands for clients on other machines, and took 84 % of a core at 16 "
         "requests) and keep it and every server process but the model workers on "
         "the CPU the workers leave (vLLM binds the workers' OpenMP threads and leaves "
@@ -1013,7 +1027,8 @@ def sweep_standing(sweeps: list) -> list[str]:
                    if None not in paired else "")
                 + (". At least 0.97x everywhere: yes." if medians[lowest] >= 0.97 else
                    f". At least 0.97x everywhere: no (lowest {medians[lowest]:.2f}x, at "
-                   f"{concurrencies[lowest]} requests)."))
+                   f"{concurrencies[lowest]} "
+                   + ("request" if concurrencies[lowest] == "1" else "requests") + ")."))
             for f in fixed:
                 for c in concurrencies:
                     ratio = sweep[c][f"{n}_over_{f}"]
