@@ -46,7 +46,9 @@ to the best fixed one is then also taken round by round (runs minutes apart),
 and its median reported. `--control NAME` serves the fixed configuration NAME
 twice, the second server as one more configuration (NAME_control, in no
 ratio of its own): the two differ by nothing but the machine, so their ratio
-is the sweep's resolution. `--output-tokens-range LOW HIGH` gives
+is the sweep's resolution (`sweep_resolution.py` simulates from it how often
+an adaptive server as fast as the best fixed configuration would read at
+least 0.97x of it everywhere). `--output-tokens-range LOW HIGH` gives
 each prompt its own output length instead of 64 (the load sweeps: with one
 length for all, requests that start together end together and plain decoding
 prefills the next ones as one large wave, which speculation breaks up).
