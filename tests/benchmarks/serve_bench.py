@@ -84,6 +84,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.benchmarks.el_harness import PAIR, humaneval_prompts  # noqa: E402
+from tests.benchmarks.sweep_resolution import CONTROL_SUFFIX  # noqa: E402
 from tests.engine.test_serve import Server  # noqa: E402
 
 MTP = {"method": "mtp", "model": str(PAIR / "assistant"), "num_speculative_tokens": 3}
@@ -118,8 +119,6 @@ PROMPTS_PER_CONCURRENCY = {
     "trained": {1: 40, 4: 128, 16: 320, 32: 448},
     "cost_scaled": {1: 24, 4: 48, 16: 96, 32: 128},
 }
-# `--control NAME` serves NAME a second time under NAME + this suffix.
-CONTROL_SUFFIX = "_control"
 # Warm-up prompts per request slot at each concurrency (and the fewest).
 WARMUP_PROMPTS_PER_SLOT = 1
 MIN_WARMUP_PROMPTS = 4

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 GOAL = 0.97
+# `serve_bench.py --control NAME` serves NAME a second time under NAME + this
+# suffix.
 CONTROL_SUFFIX = "_control"
 SITTINGS = 20000
 
