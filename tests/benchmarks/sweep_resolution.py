@@ -92,6 +92,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, nargs="+",
                         help="also simulate sittings of these many rounds")
     args = parser.parse_args()
+    for path in args.sweeps:
+        if not path.is_file():
+            parser.error(f"no sweep JSON at {path}")
+    if any(r < 1 for r in args.rounds or []):
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     together = 1.0
     for path in args.sweeps:
         sweep = json.loads(path.read_text())
