@@ -15,6 +15,8 @@ if [ ! -x "$python" ]; then
   step "Creating $venv"
   python3 -m venv "$venv"
 fi
+# Absolute: the in-tree tests run from another directory.
+python=$(cd "$venv" && pwd)/bin/python
 step "Installing torch 2.13.0 (CPU) and the test requirements"
 "$python" -m pip install -q torch==2.13.0 -r ci/requirements-test.txt
 
@@ -41,10 +43,17 @@ if [ -n "$in_tree_tests" ]; then
   # `tests.*` helpers) after site-packages.
   # The tree holds vllm.egg-info (version without "+cpu"): once pytest puts
   # the tree on sys.path, vLLM would no longer detect the CPU build.
-  (cd build/vllm-patched && VLLM_TARGET_DEVICE=cpu "../../$python" -P -m pytest -p require_tests --noconftest \
+  (cd build/vllm-patched && VLLM_TARGET_DEVICE=cpu "$python" -P -m pytest -p require_tests --noconftest \
     --import-mode=append --rootdir=. -p no:cacheprovider -q $in_tree_tests)
 fi
 
-step "Running the project's tests"
+step "Running the project's tests (Model Runner V1, the CPU build's runner)"
 # setup.cfg holds the pytest configuration (paths, markers).
-exec "$python" -m pytest -p require_tests "$@"
+status=0
+"$python" -m pytest -p require_tests "$@" || status=$?
+
+step "Running the runner-independent proofs on Model Runner V2 (async scheduling)"
+# Tests marked model_runner_v2, on V2's kernels under Triton's interpreter
+# (tests/engine/model_runner_v2.py).
+TREE_TEST_MODEL_RUNNER=v2 "$python" -m pytest -p require_tests "$@" || status=$?
+exit $status

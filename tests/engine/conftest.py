@@ -46,13 +46,16 @@ def make_llm(model: Path, speculative_config: dict | None = None, **overrides):
     return LLM(**options)
 
 
-def _greedy_outputs(llm, prompts: list, max_tokens: int, **params):
+def _greedy_outputs(llm, prompts: list, max_tokens: int | list[int], **params):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sampling = SamplingParams(
-        **{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **params}
-    )
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    sampling = [
+        SamplingParams(**{"temperature": 0.0, "max_tokens": n, "ignore_eos": True, **params})
+        for n in max_tokens
+    ]
     inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in prompts]
     return [o.outputs[0] for o in llm.generate(inputs, sampling, use_tqdm=False)]
 
@@ -62,9 +65,11 @@ def greedy_generate(llm, prompts: list, max_tokens: int, **params) -> list[list[
     return [list(o.token_ids) for o in _greedy_outputs(llm, prompts, max_tokens, **params)]
 
 
-def plain_greedy_reference(llm, prompts: list, max_tokens: int, **params) -> GreedyReference:
+def plain_greedy_reference(llm, prompts: list, max_tokens: int | list[int],
+                           **params) -> GreedyReference:
     """Greedy tokens per prompt with plain decoding's top-2 logprobs at every
-    step, the reference of the tie-aware identity check (identity.py)."""
+    step, the reference of the tie-aware identity check (identity.py);
+    `max_tokens` for all prompts or per prompt."""
     outputs = _greedy_outputs(llm, prompts, max_tokens, logprobs=2, **params)
     return GreedyReference(
         tokens=[list(o.token_ids) for o in outputs],

@@ -3,8 +3,11 @@
 
 A tree-mode engine samples the token at output position i of a request with
 seed s as argmax_x(logprob(x) / T + g(x)) over the top-k / top-p support, with
-Gumbel noise g that is a function of (s, i, x) alone
-(vllm/v1/sample/ops/position_keyed.py). Two runs of the same seeded request
+Gumbel noise g that is a function of (s, i, x) alone: on the V1 runner the
+stack's SplitMix64 keys (vllm/v1/sample/ops/position_keyed.py), on Model
+Runner V2 V2's own murmur3 keys of (s, input position of the sampled row, x)
+(vllm/v1/worker/gpu/sample/gumbel.py), which plain V2 decoding draws too.
+Two runs of the same seeded request
 must therefore emit the same tokens whatever the tree, the drafter, the batch
 or a preemption, up to fp32 noise in the logits. At the first difference the
 rule of tests/engine/identity.py applies with these scores in place of greedy
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import model_runner_v2
 from .identity import TIE_MARGIN_NATS, IdentityReport, compare_tokens
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -45,6 +49,41 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> np.ndarray:
     bits = _splitmix64(_splitmix64(key) + counters) >> np.uint64(11)
     u = (bits.astype(np.float64) + 0.5) * 2.0**-53
     return -np.log(-np.log(u))
+
+
+_MASK_32 = np.uint64(0xFFFFFFFF)
+
+
+def _rotl32(value: np.ndarray, shift: int) -> np.ndarray:
+    return ((value << np.uint64(shift)) | (value >> np.uint64(32 - shift))) & _MASK_32
+
+
+def _murmur3_mix(h: np.ndarray, key: np.ndarray) -> np.ndarray:
+    key = _rotl32((key * np.uint64(0xCC9E2D51)) & _MASK_32, 15)
+    h = _rotl32(h ^ ((key * np.uint64(0x1B873593)) & _MASK_32), 13)
+    return (h * np.uint64(5) + np.uint64(0xE6546B64)) & _MASK_32
+
+
+def _murmur3_fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x85EBCA6B)) & _MASK_32
+    h = h ^ (h >> np.uint64(13))
+    h = (h * np.uint64(0xC2B2AE35)) & _MASK_32
+    return h ^ (h >> np.uint64(16))
+
+
+def gumbel_noise_v2(seed: int, position: int, vocab_size: int) -> np.ndarray:
+    """Model Runner V2's noise for every token sampled at input position
+    `position` of a request with seed `seed` (`murmur3_uniform32`), in
+    float64: near-ties are judged, not bits."""
+    seed_bits = seed & 0xFFFFFFFFFFFFFFFF
+    h = np.zeros(vocab_size, dtype=np.uint64)
+    for word in (seed_bits & 0xFFFFFFFF, seed_bits >> 32, position & 0xFFFFFFFF):
+        h = _murmur3_mix(h, np.full(vocab_size, word, dtype=np.uint64))
+    h = _murmur3_mix(h, np.arange(vocab_size, dtype=np.uint64))
+    random32 = _murmur3_fmix32(h ^ np.uint64(16))
+    u = (random32.astype(np.float64) + 0.5) * 2.0**-32
+    return -np.log(-np.log1p(-u))
 
 
 @dataclass(frozen=True)
@@ -71,8 +110,14 @@ class SeededRequest:
         # and always the best one.
         before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
         keep[order[:top_k][before < self.top_p]] = True
-        scores = scaled + gumbel_noise(self.seed, position, len(scaled))
-        return np.where(keep, scores, -np.inf)
+        if model_runner_v2.requested():
+            # V2 keys the row that samples output position i by its input
+            # position, the prompt's length plus i - 1.
+            input_position = len(self.prompt_token_ids) + position - 1
+            noise = gumbel_noise_v2(self.seed, input_position, len(scaled))
+        else:
+            noise = gumbel_noise(self.seed, position, len(scaled))
+        return np.where(keep, scaled + noise, -np.inf)
 
 
 class ScoreOracle:

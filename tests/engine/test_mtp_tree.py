@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from . import model_runner_v2
 from .conftest import (
     accepted_tokens_per_node,
     greedy_generate,
@@ -20,12 +21,15 @@ from .conftest import (
     spec_decode_counters,
 )
 from .identity import assert_greedy_identical
-from .trained_pair import text_prompts, trained_pair
+from .trained_pair import perturbed_draft_model, text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
 
-NUM_PROMPTS = 64
+# Model Runner V2 runs its kernels in Triton's interpreter here, about ten
+# times slower per step: fewer prompts, and the batch of many requests only.
+NUM_PROMPTS = 16 if model_runner_v2.requested() else 64
 MAX_TOKENS = 32
+BATCH_SIZES = [16] if model_runner_v2.requested() else [1, 16]
 
 
 def generate(llm, prompts: list[str]) -> list[list[int]]:
@@ -51,21 +55,31 @@ def run_mtp(speculative: dict, prompts: list[str], **options):
         shutdown(llm)
 
 
-@pytest.mark.parametrize("batch_size", [1, 16])
-def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, batch_size):
+@pytest.fixture(scope="module")
+def mtp_chain(plain_greedy):
+    """The chain the trees are compared with, K=3 (one run: greedy drafts and
+    acceptance do not depend on the batch)."""
     prompts, expected = plain_greedy
-    chain, chain_counters, _ = run_mtp({"num_speculative_tokens": 3}, prompts,
-                                       max_num_seqs=batch_size)
+    chain, counters, _ = run_mtp({"num_speculative_tokens": 3}, prompts)
+    assert_greedy_identical(chain, expected, "MTP chain K=3")
+    # The trained assistant's chain really accepts, at every depth.
+    assert all(n > 0 for n in counters["num_accepted_tokens_per_pos"])
+    return chain, counters
+
+
+@pytest.mark.model_runner_v2
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, mtp_chain,
+                                                         batch_size):
+    prompts, expected = plain_greedy
+    _, chain_counters = mtp_chain
     tree, tree_counters, _ = run_mtp({"num_speculative_tokens": 3, "tree_width": 4},
                                      prompts, max_num_seqs=batch_size)
-    assert_greedy_identical(chain, expected, f"MTP chain K=3, batch {batch_size}")
     assert_greedy_identical(tree, expected, f"MTP tree K=3 W=4, batch {batch_size}")
 
     def mean_acceptance_length(counters):
         return 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
 
-    # The trained assistant's chain really accepts, at every depth.
-    assert all(n > 0 for n in chain_counters["num_accepted_tokens_per_pos"])
     # Siblings rescue tokens the chain lost, so the tree accepts more per step.
     assert sum(tree_counters["num_rescued_tokens_per_pos"]) > 0
     assert mean_acceptance_length(tree_counters) > mean_acceptance_length(chain_counters)
@@ -73,13 +87,13 @@ def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, batch_size
     assert tree_counters["num_draft_tokens"] == 12 * tree_counters["num_drafts"]
 
 
-def test_chain_shaped_tree_with_mtp_matches_chain_mode(plain_greedy):
+@pytest.mark.model_runner_v2
+def test_chain_shaped_tree_with_mtp_matches_chain_mode(plain_greedy, mtp_chain):
     prompts, expected = plain_greedy
-    chain, chain_counters, _ = run_mtp({"num_speculative_tokens": 3}, prompts)
+    chain, chain_counters = mtp_chain
     tree, tree_counters, _ = run_mtp(
         {"speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"}, prompts
     )
-    assert_greedy_identical(chain, expected, "MTP chain K=3")
     assert_greedy_identical(tree, expected, "MTP chain-shaped tree")
     # Equal outputs mean equal contexts, hence equal drafts, at every step;
     # outputs can only differ by a tie flip, allowed above.
@@ -123,16 +137,23 @@ def accepted_below_runner_ups(per_node: dict[tuple[int, ...], int]) -> int:
     return sum(count for path, count in per_node.items() if any(path[:-1]))
 
 
-@pytest.mark.parametrize("batch_size", [1, 16])
-@pytest.mark.parametrize("tree", [CONTINUATION_12, CONTINUATION_32, "planned_16"],
-                         ids=["12", "32", "planned_16"])
+TREES = (
+    {"12": CONTINUATION_12, "planned_32": "planned_32"}
+    if model_runner_v2.requested()
+    else {"12": CONTINUATION_12, "32": CONTINUATION_32, "planned_16": "planned_16"}
+)
+
+
+@pytest.mark.model_runner_v2
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+@pytest.mark.parametrize("tree", list(TREES.values()), ids=list(TREES))
 def test_mtp_continuation_tree_is_identical_and_uses_its_branches(
     plain_greedy, tree, batch_size
 ):
     prompts, expected = plain_greedy
     kind = "continuation"
-    if tree == "planned_16":
-        tree, kind = planned_tree(16), "planned"
+    if isinstance(tree, str):
+        tree, kind = planned_tree(int(tree.removeprefix("planned_"))), "planned"
     got, counters, per_node = run_mtp(
         {"speculative_token_tree": str(tree)}, prompts, max_num_seqs=batch_size
     )
@@ -148,6 +169,30 @@ def test_mtp_continuation_tree_is_identical_and_uses_its_branches(
     assert sum(per_node.values()) == counters["num_accepted_tokens"]
 
 
+@pytest.mark.model_runner_v2
+def test_draft_model_leaf_sibling_tree_is_identical_and_rescues(plain_greedy):
+    """A draft model (the target with noise on its weights) drafts the spine,
+    one draft forward per depth, and its runner-ups as leaf siblings."""
+    prompts, expected = plain_greedy
+    target, _ = trained_pair()
+    llm = make_llm(target, {"method": "draft_model", "model": str(perturbed_draft_model()),
+                            "num_speculative_tokens": 3, "tree_width": 4},
+                   max_num_seqs=BATCH_SIZES[-1], disable_hybrid_kv_cache_manager=True)
+    try:
+        tree, counters = generate(llm, prompts), spec_decode_counters(llm)
+    finally:
+        shutdown(llm)
+    assert_greedy_identical(tree, expected, "draft_model tree K=3 W=4")
+    print(f"draft_model tree K=3 W=4: accepted per depth "
+          f"{counters['num_accepted_tokens_per_pos']}, rescued per depth "
+          f"{counters['num_rescued_tokens_per_pos']}, {counters['num_drafts']} drafts")
+    assert counters["num_draft_tokens"] == 12 * counters["num_drafts"]
+    # The spine is accepted at every depth, and siblings rescue its misses.
+    assert all(n > 0 for n in counters["num_accepted_tokens_per_pos"]), counters
+    assert sum(counters["num_rescued_tokens_per_pos"]) > 0, counters
+
+
+@pytest.mark.model_runner_v2
 def test_continuation_tree_is_refused_by_a_draft_model():
     """A drafter that writes its own KV drafts leaf-sibling trees only, and
     says at start-up which drafters draft continuation branches."""

@@ -9,12 +9,15 @@ max_tokens 8 to 39 finish one after another, so the batch shrinks from 32 to
 1 and n changes inside every request. Greedy output must stay plain greedy
 decoding (tie-aware, tests/engine/identity.py) and seeded sampled output the
 text those requests give decoded without drafts
-(tests/engine/keyed_sampling.py)."""
+(tests/engine/keyed_sampling.py). On Model Runner V2 the schedule's trees are
+verified with async scheduling, each step's output naming the tree its drafts
+came from."""
 
 from __future__ import annotations
 
 import pytest
 
+from . import model_runner_v2
 from .conftest import (
     greedy_generate,
     make_llm,
@@ -126,28 +129,31 @@ def seeded(batch: list[list[int]]) -> list[SeededRequest]:
 @pytest.fixture(scope="module")
 def references():
     """Plain greedy decoding (with its top-2 logprobs) and the seeded
-    requests decoded without drafts by a tree-mode engine."""
+    requests decoded without drafts: by Model Runner V2 without speculation
+    (whose keys a V2 tree shares), or by a V1 tree-mode engine."""
     batch = prompts()
     llm = make_llm(trained_pair()[0])
     try:
-        expected = [plain_greedy_reference(llm, [p], max_tokens(i))
-                    for i, p in enumerate(batch)]
+        expected = plain_greedy_reference(
+            llm, batch, [max_tokens(i) for i in range(len(batch))])
+        if model_runner_v2.requested():
+            sampled = generate(llm, seeded(batch))
     finally:
         shutdown(llm)
-    llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
-    try:
-        sampled = generate(llm, seeded(batch), **NO_DRAFTS)
-        assert spec_decode_counters(llm)["num_draft_tokens"] == 0
-    finally:
-        shutdown(llm)
-    greedy_tokens = [e.tokens[0] for e in expected]
-    greedy_top2 = [e.top2[0] for e in expected]
-    from .identity import GreedyReference
-
-    return batch, GreedyReference(greedy_tokens, greedy_top2), sampled
+    if not model_runner_v2.requested():
+        llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
+        try:
+            sampled = generate(llm, seeded(batch), **NO_DRAFTS)
+            assert spec_decode_counters(llm)["num_draft_tokens"] == 0
+        finally:
+            shutdown(llm)
+    return batch, expected, sampled
 
 
-@pytest.mark.parametrize("sizing", ["schedule", ADAPTIVE])
+@pytest.mark.model_runner_v2
+@pytest.mark.parametrize(
+    # Sizes from measured step times run on the V1 runner only.
+    "sizing", ["schedule"] if model_runner_v2.requested() else ["schedule", ADAPTIVE])
 def test_tree_size_follows_the_load(references, sizing, monkeypatch):
     batch, expected, sampled_expected = references
     schedule = SCHEDULE if sizing == "schedule" else ADAPTIVE
@@ -189,6 +195,7 @@ def test_tree_size_follows_the_load(references, sizing, monkeypatch):
         assert max(sizes) > 3
 
 
+@pytest.mark.model_runner_v2
 def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
     batch, expected, _ = references
     llm = make_llm(trained_pair()[0], speculative([(1, 256, 0)]))

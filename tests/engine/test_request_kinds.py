@@ -22,6 +22,7 @@ from collections import Counter
 
 import pytest
 
+from . import model_runner_v2
 from .conftest import make_llm, shutdown, spec_decode_counters
 from .identity import GreedyReference, StepTop2, assert_greedy_identical
 from .request_kinds import (
@@ -37,9 +38,13 @@ from .request_kinds import (
 from .scripted_drafter import DraftScript, ScriptedTreeDrafter
 from .trained_pair import text_prompts, trained_pair
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.model_runner_v2]
 
-NUM_PROMPTS = 16
+# Model Runner V2 runs its kernels in Triton's interpreter here: fewer prompts.
+NUM_PROMPTS = 8 if model_runner_v2.requested() else 16
+# Prompts that end 1, 2, ... tokens before max_model_len: at least a step's.
+NUM_LONG = 4 if model_runner_v2.requested() else 8
+NUM_N2 = 4 if model_runner_v2.requested() else 8
 MAX_TOKENS = 24
 NUM_LOGPROBS = 5
 NUM_PROMPT_LOGPROBS = 3
@@ -89,9 +94,9 @@ class Requests:
         ]
         # Other files than the short prompts': the scripted drafter finds a
         # request's script by its prompt.
-        long_text = text_prompts(NUM_PROMPTS + 8, length=2400)[NUM_PROMPTS:]
-        # 1 to 8 tokens left before max_model_len: the limit falls on every
-        # place of a scripted step.
+        long_text = text_prompts(NUM_PROMPTS + NUM_LONG, length=2400)[NUM_PROMPTS:]
+        # 1 to NUM_LONG tokens left before max_model_len: the limit falls on
+        # every place of a scripted step.
         self.long_prompts = [
             tokenizer(text).input_ids[: MAX_MODEL_LEN - left]
             for left, text in enumerate(long_text, start=1)
@@ -141,20 +146,20 @@ def run_requests(llm, requests: Requests, scripted: bool) -> dict:
                        logprobs=NUM_LOGPROBS, prompt_logprobs=NUM_PROMPT_LOGPROBS),
         use_tqdm=False)
     results["json"] = llm.generate(
-        requests.text_prompts[:8],
+        requests.text_prompts[: NUM_PROMPTS // 2],
         SamplingParams(temperature=0.0, max_tokens=48, logprobs=2,
                        structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA)),
         use_tqdm=False)
     results["regex"] = llm.generate(
-        requests.text_prompts[8:],
+        requests.text_prompts[NUM_PROMPTS // 2 :],
         SamplingParams(temperature=0.0, max_tokens=48, logprobs=2,
                        structured_outputs=StructuredOutputsParams(regex=REGEX)),
         use_tqdm=False)
     sampled = [SamplingParams(n=2, temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS,
-                              ignore_eos=True) for i in range(8)]
-    results["n2_sampled"] = llm.generate(requests.text_prompts[:8], sampled,
+                              ignore_eos=True) for i in range(NUM_N2)]
+    results["n2_sampled"] = llm.generate(requests.text_prompts[:NUM_N2], sampled,
                                          use_tqdm=False)
-    results["n2_sampled_again"] = llm.generate(requests.text_prompts[:8], sampled,
+    results["n2_sampled_again"] = llm.generate(requests.text_prompts[:NUM_N2], sampled,
                                                use_tqdm=False)
     return results
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from . import model_runner_v2
 from .identity import GreedyReference, StepTop2, assert_greedy_identical
 from .request_kinds import (
     JSON_SCHEMA,
@@ -35,7 +36,8 @@ from .trained_pair import text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
 
-NUM_REQUESTS = 32
+# Model Runner V2 runs its kernels in Triton's interpreter here: fewer requests.
+NUM_REQUESTS = 16 if model_runner_v2.requested() else 32
 MAX_TOKENS = 24
 MAX_MODEL_LEN = 512
 
@@ -62,6 +64,12 @@ class Server:
             command += ["--speculative-config", json.dumps(speculative_config)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if model_runner_v2.requested():
+            # The server and its engine process run V2 as this process does.
+            site = Path(__file__).with_name("model_runner_v2_site")
+            root = Path(__file__).resolve().parents[2]
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(site), str(root), env.get("PYTHONPATH")]))
         self.log = log
         self.process = subprocess.Popen(command, env=env, stdout=log.open("w"),
                                          stderr=subprocess.STDOUT)
@@ -208,6 +216,7 @@ def counter_total(metrics: str, name: str) -> float:
                for sample in family.samples if sample.name == name)
 
 
+@pytest.mark.model_runner_v2
 def test_vllm_serve_with_a_token_tree(tmp_path):
     target, assistant = trained_pair()
     prompts = text_prompts(NUM_REQUESTS)
@@ -234,6 +243,10 @@ def test_vllm_serve_with_a_token_tree(tmp_path):
         assert name in metrics, name
     assert counter_total(metrics, "vllm:spec_decode_num_drafts_total") > 0
     assert counter_total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+    if model_runner_v2.requested():
+        log = (tmp_path / "tree.log").read_text()
+        assert "Using V2 Model Runner" in log
+        assert "async_scheduling=True" in log
 
 
 # Both servers of the request-kind test: a step budget far below the long

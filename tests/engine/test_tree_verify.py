@@ -242,7 +242,7 @@ def test_identity_check_fails_a_verify_with_flat_positions(
     index, as in SGLang #39160) must fail the tie-aware check, with margins
     far above the tie tolerance."""
     import torch
-    from vllm.v1.spec_decode.tree import SpecTokenTree
+    from vllm.v1.attention.spec_tree import SpecTokenTree
 
     prompts, expected = reference
     build_tree = SpecTokenTree.__init__

@@ -37,6 +37,10 @@ CASES = {
         "kv_transfer_config",
     ),
     "lora": (mtp_tree(), {"enable_lora": True}, "enable_lora"),
+    "kv-sharing-fast-prefill": (
+        mtp_tree(), {"kv_sharing_fast_prefill": True}, "kv_sharing_fast_prefill",
+    ),
+    "sampling-mask": (mtp_tree(), {"return_sampling_mask": True}, "return_sampling_mask"),
     "probabilistic-drafts": (
         mtp_tree(draft_sample_method="probabilistic"), {},
         "draft_sample_method='probabilistic' is not supported",
@@ -71,10 +75,17 @@ def test_unsupported_setting_is_refused_naming_it(case):
     print(f"{case}: {str(error.value).splitlines()[1].strip()[:240]}")
 
 
-def test_v2_model_runner_asked_for_is_refused(monkeypatch):
+def test_model_runner_v2_serves_gemma4_mtp_trees_sized_by_a_schedule(monkeypatch):
+    """Asked for, Model Runner V2 verifies a Gemma 4 MTP tree; sizing it by
+    measured step times (V1 only) is then refused, naming the setting."""
+    from vllm.config import vllm as vllm_config_module
+
+    # The CPU build has no Triton; the config only checks that it is there.
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(Exception, match="speculative_token_tree .*VLLM_USE_V2_MODEL_RUNNER=1"):
-        build_config(mtp_tree())
+    assert build_config(mtp_tree()).use_v2_model_runner
+    with pytest.raises(Exception, match="speculative_token_tree .*enable_adaptive_verification"):
+        build_config(mtp_tree(enable_adaptive_verification=True))
 
 
 def test_supported_tree_config_builds():

@@ -26,3 +26,34 @@ def text_prompts(count: int, length: int = 240) -> list[str]:
         if len(prompts) == count:
             break
     return prompts
+
+
+def perturbed_draft_model(noise: float = 0.3) -> Path:
+    """A draft model for the target: the target's checkpoint with seeded
+    Gaussian noise of `noise` times each weight tensor's standard deviation,
+    so it drafts the target's token often but not always, and its runner-ups
+    rescue some of its misses. Built once under build/fixtures."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target, _ = trained_pair()
+    out = Path(__file__).resolve().parents[2] / "build" / "fixtures" / f"perturbed-draft-{noise}"
+    if (out / "model.safetensors").exists():
+        return out
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(target, staging)
+    generator = torch.Generator().manual_seed(0)
+    weights = load_file(target / "model.safetensors")
+    for name in sorted(weights):
+        weight = weights[name]
+        if weight.is_floating_point() and weight.numel() > 1:
+            scale = noise * weight.float().std()
+            weights[name] = (weight.float() + scale * torch.randn(
+                weight.shape, generator=generator)).to(weight.dtype)
+    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out

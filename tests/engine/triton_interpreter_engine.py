@@ -18,31 +18,18 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-import vllm.triton_utils as triton_utils  # noqa: E402
-
-triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
-torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
-
-from vllm.platforms import cpu as cpu_platform  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
-
-_cpu_backend = cpu_platform.CpuPlatform.get_attn_backend_cls.__func__
-
-
-def _triton_attn(cls, selected_backend, attn_selector_config, num_heads=None):
-    if attn_selector_config.use_mla or attn_selector_config.use_sparse:
-        return _cpu_backend(cls, selected_backend, attn_selector_config, num_heads)
-    return AttentionBackendEnum.TRITON_ATTN.get_path()
-
-
-cpu_platform.CpuPlatform.get_attn_backend_cls = classmethod(_triton_attn)
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.engine.model_runner_v2 import (  # noqa: E402
+    select_triton_attention,
+    use_triton_interpreter,
+)
+
+# The V1 model runner (tests/engine/test_blocking_reads.py runs TRITON_ATTN
+# on Model Runner V2).
+os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+use_triton_interpreter()
+select_triton_attention()
+
 from tests.engine.conftest import (  # noqa: E402
     greedy_generate,
     make_llm,
@@ -53,8 +40,8 @@ from tests.engine.conftest import (  # noqa: E402
 from tests.engine.identity import compare_with_plain_greedy  # noqa: E402
 from tests.engine.trained_pair import text_prompts, trained_pair  # noqa: E402
 
-NUM_PROMPTS = 6
-MAX_TOKENS = 16
+NUM_PROMPTS = 4
+MAX_TOKENS = 12
 TREE = {"num_speculative_tokens": 3, "tree_width": 4}
 
 

@@ -1,0 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Test-only: every Python process started with this directory on PYTHONPATH
+(a `vllm serve` and its engine process, see tests/engine/test_serve.py) runs
+Model Runner V2 as the tests' own process does, when TREE_TEST_MODEL_RUNNER=v2
+(tests/engine/model_runner_v2.py)."""
+
+import os
+
+if os.environ.get("TREE_TEST_MODEL_RUNNER") == "v2":
+    from tests.engine import model_runner_v2
+
+    model_runner_v2.install()
