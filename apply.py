@@ -665,17 +665,42 @@ def wheel_changes(repo: git.Repo, base: str, tip: str, binary_wheel: Path,
     return changes
 
 
-IMPORT_MODULES = """
-import importlib, os, sys, traceback
-for name in sys.argv[1:]:
-    try:
-        module = importlib.import_module(name)
-    except BaseException:
-        print(f"importing {name} fails:")
-        traceback.print_exc(file=sys.stdout)
-        sys.exit(1)
-    if not module.__file__.startswith(os.environ["PYTHONPATH"]):
-        sys.exit(f"{name} was imported from {module.__file__}, not the laid-out wheel")
+IMPORT_SERVER = """
+import importlib, json, os, sys, traceback
+root = sys.argv[1]
+sys.path.insert(0, root)
+dependencies = root + ".dependencies.json"
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        status = 0
+        for name in line.split():
+            try:
+                module = importlib.import_module(name)
+            except BaseException:
+                print(f"importing {name} fails:")
+                traceback.print_exc(file=sys.stdout)
+                status = 1
+                break
+            if not module.__file__.startswith(root):
+                print(f"{name} was imported from {module.__file__}, not the laid-out wheel")
+                status = 1
+                break
+        if not os.path.exists(dependencies):
+            with open(dependencies, "w") as f:
+                json.dump([m for m in sys.modules if m.split(".")[0] != "vllm"], f)
+        sys.stdout.flush()
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    if os.path.exists(dependencies) and "torch" not in sys.modules:
+        # vLLM's dependencies, imported once per lane: each later prefix
+        # imports in a fork of this process and pays for vllm's own modules.
+        for name in json.load(open(dependencies)):
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                pass
+    print(f"import status: {os.waitstatus_to_exitcode(status)}", flush=True)
 """
 
 
@@ -687,7 +712,8 @@ def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
     wheel `build` would make of that prefix), so that the series bisects.
 
     The prefixes are dealt out to one lane per CPU core (two at most), each
-    with its own copy of the wheel, laid over prefix by prefix in order."""
+    with its own copy of the wheel, laid over prefix by prefix in order, and
+    its own interpreter, which imports each prefix in a fresh fork."""
     commits = repo.git.rev_list("--reverse", f"{base}..{tip}").split()
     prefixes = [wheel_changes(repo, base, commit, binary_wheel, quiet=True)
                 for commit in commits]
@@ -701,7 +727,11 @@ def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
         of modules imported."""
         root = tmp / f"site{lane}"
         results = {}
-        with zipfile.ZipFile(binary_wheel) as wheel:
+        server = subprocess.Popen(
+            [sys.executable, "-c", IMPORT_SERVER, str(root)], cwd=tmp, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        with server, zipfile.ZipFile(binary_wheel) as wheel:
             wheel.extractall(root, members=[n for n in wheel.namelist()
                                             if n.startswith("vllm/")])
             members = set(wheel.namelist())
@@ -728,13 +758,17 @@ def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
                 if not modules:
                     continue
                 started = time.monotonic()
-                done = subprocess.run(
-                    [sys.executable, "-c", IMPORT_MODULES, *modules], cwd=tmp,
-                    env={**os.environ, "PYTHONPATH": str(root)},
-                    capture_output=True, text=True,
-                )
-                failure = (done.stdout + done.stderr).strip() if done.returncode else ""
+                server.stdin.write(" ".join(modules) + "\n")
+                server.stdin.flush()
+                output = []
+                while not (line := server.stdout.readline()).startswith("import status: "):
+                    if not line:
+                        raise ToolError(f"the import check of lane {lane} ended: "
+                                        + "".join(output))
+                    output.append(line)
+                failure = "".join(output).strip() if line.strip() != "import status: 0" else ""
                 results[index] = (failure, time.monotonic() - started, len(modules))
+            server.stdin.close()
         return results
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -331,6 +331,15 @@ def test_check_imports_each_prefix_of_the_series(workspace, capsys):
     assert "(2/2): 2 changed modules import" in out
     assert "modules it changed import from the cuda wheel" in out
 
+    # A later prefix of a lane imports in a fork of its interpreter, after
+    # the first: its failure is named too.
+    broken_last = [*walk_first[::-1], {"vllm/walk.py": "from vllm.gone import GONE\n"}]
+    code = check_stack(workspace, broken_last, None, "--target", "cuda")
+    out = capsys.readouterr()
+    assert code == 1
+    assert "0003-Spec-Decode-Change-3.patch (3/3): after this patch, importing vllm.walk" \
+        in out.err + out.out
+
 
 def test_build_overlays_the_binary_wheel(workspace, capsys):
     out_dir = workspace["tmp"] / "dist"
