@@ -805,7 +805,7 @@ def render_load_sweeps(out: Path) -> list[str]:
         "second, identical server (`--control`), whose ratio to the first is what the "
         "machine alone makes of two equal servers; "
         "a difference of a few percent is within that noise, and the best of five "
-        "fixed configurations' noisy medians is itself biased upward. Patch 0022 "
+        "fixed configurations' noisy medians is itself biased upward. Patch 0023 "
         "verifies a step whose tree is a chain (a nested "
         "tree of the spine alone) as chain speculation does (measured in process on "
         "the cost-scaled target on an earlier machine: a tree server pinned at the "
