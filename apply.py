@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Greedy tree speculative decoding for vLLM, as a patch stack on a pinned release.
+"""Tree speculative decoding for vLLM, as a patch stack on a pinned release.
 
 Verbs (each does one thing):
   fetch     get the pristine pinned source (the official sdist) into a git repo,

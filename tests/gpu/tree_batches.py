@@ -25,7 +25,8 @@ def planned_tree(budget: int) -> list[tuple[int, ...]]:
 
 
 def leaf_sibling_tree(num_nodes: int, width: int = 4) -> list[tuple[int, ...]]:
-    """A spine of num_nodes / width with width - 1 siblings per depth."""
+    """A spine of num_nodes / width with width - 1 siblings per depth (vLLM's
+    `leaf_sibling_token_tree`, here because the device machine has no vLLM)."""
     paths, spine = [], ()
     for _ in range(num_nodes // width):
         paths += [spine + (rank,) for rank in range(width)]
@@ -35,7 +36,8 @@ def leaf_sibling_tree(num_nodes: int, width: int = 4) -> list[tuple[int, ...]]:
 
 def random_tree(rng: random.Random, num_nodes: int) -> list[tuple[int, ...]]:
     """A random tree, breadth-first: each node a new child of the root or of
-    an earlier node."""
+    an earlier node (the in-tree tests' `random_token_tree`, here because the
+    device machine has no vLLM)."""
     paths: list[tuple[int, ...]] = []
     children: dict[tuple[int, ...], int] = {}
     for _ in range(num_nodes):
