@@ -236,8 +236,8 @@ def test_bad_tree_config_fails_at_engine_start(tiny_gemma4, speculative, engine_
 def test_identity_check_fails_a_verify_with_flat_positions(
     tiny_gemma4, reference, monkeypatch
 ):
-    """Negative control: the tree's device position offsets, which the CPU
-    tree attention measures sliding windows from, made flat (node t at
+    """Negative control: the tree's position offsets (host and device), which
+    the CPU tree attention measures sliding windows from, made flat (node t at
     root + t + 1 instead of root + depth: the window measured from the flat
     index, as in SGLang #39160) must fail the tie-aware check, with margins
     far above the tie tolerance."""
@@ -249,9 +249,8 @@ def test_identity_check_fails_a_verify_with_flat_positions(
 
     def build_tree_with_flat_positions(tree, *args, **kwargs):
         build_tree(tree, *args, **kwargs)
-        tree.position_offsets = torch.arange(
-            tree.num_nodes + 1, device=tree.position_offsets.device
-        )
+        tree.position_offsets_cpu = torch.arange(tree.num_nodes + 1)
+        tree.position_offsets = tree.position_offsets_cpu.to(tree.position_offsets.device)
 
     monkeypatch.setattr(SpecTokenTree, "__init__", build_tree_with_flat_positions)
     llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]})
