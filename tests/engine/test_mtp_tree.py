@@ -32,6 +32,12 @@ MAX_TOKENS = 32
 BATCH_SIZES = [16] if model_runner_v2.requested() else [1, 16]
 
 
+def print_acceptance(label: str, counters: dict) -> None:
+    print(f"{label}: accepted per depth {counters['num_accepted_tokens_per_pos']}, "
+          f"rescued per depth {counters['num_rescued_tokens_per_pos']}, "
+          f"{counters['num_drafts']} drafts")
+
+
 def generate(llm, prompts: list[str]) -> list[list[int]]:
     return greedy_generate(llm, prompts, MAX_TOKENS)
 
@@ -76,6 +82,7 @@ def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, mtp_chain,
     tree, tree_counters, _ = run_mtp({"num_speculative_tokens": 3, "tree_width": 4},
                                      prompts, max_num_seqs=batch_size)
     assert_greedy_identical(tree, expected, f"MTP tree K=3 W=4, batch {batch_size}")
+    print_acceptance(f"MTP tree K=3 W=4, batch {batch_size}", tree_counters)
 
     def mean_acceptance_length(counters):
         return 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
@@ -160,6 +167,7 @@ def test_mtp_continuation_tree_is_identical_and_uses_its_branches(
     assert_greedy_identical(
         got, expected, f"MTP {kind} tree of {len(tree)} nodes, batch {batch_size}"
     )
+    print_acceptance(f"MTP {kind} tree of {len(tree)} nodes, batch {batch_size}", counters)
     assert set(per_node) == set(tree)
     # Children of runner-ups are accepted: the branches are drafted right.
     assert accepted_below_runner_ups(per_node) > 0, per_node
@@ -183,9 +191,7 @@ def test_draft_model_leaf_sibling_tree_is_identical_and_rescues(plain_greedy):
     finally:
         shutdown(llm)
     assert_greedy_identical(tree, expected, "draft_model tree K=3 W=4")
-    print(f"draft_model tree K=3 W=4: accepted per depth "
-          f"{counters['num_accepted_tokens_per_pos']}, rescued per depth "
-          f"{counters['num_rescued_tokens_per_pos']}, {counters['num_drafts']} drafts")
+    print_acceptance("draft_model tree K=3 W=4", counters)
     assert counters["num_draft_tokens"] == 12 * counters["num_drafts"]
     # The spine is accepted at every depth, and siblings rescue its misses.
     assert all(n > 0 for n in counters["num_accepted_tokens_per_pos"]), counters
