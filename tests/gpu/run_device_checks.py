@@ -281,7 +281,9 @@ def graph_replay(unified_attention, device, dtype, smoke: bool) -> dict:
         query=torch.randn(num_tokens, heads, head_size, dtype=dtype, device=device),
         key_cache=torch.randn(*cache_shape, dtype=dtype, device=device),
         value_cache=torch.randn(*cache_shape, dtype=dtype, device=device),
-        **batch_metadata([Request(0)] * num_seqs, device, blocks_per_request),
+        **batch_metadata(
+            [Request(0)] * num_seqs, device, blocks_per_request, torch.int64
+        ),
     )
     static["tree_ancestor_bits"] = torch.full(
         (num_tokens,), -1, dtype=torch.int64, device=device
@@ -294,7 +296,8 @@ def graph_replay(unified_attention, device, dtype, smoke: bool) -> dict:
 
     def padded(requests) -> tuple[dict, dict]:
         """The batch alone, and its contents padded to the captured sizes."""
-        alone = batch_metadata(requests, device, blocks_per_request)
+        # The captured buffers' int64: the 32-node tree has 33 rows.
+        alone = batch_metadata(requests, device, blocks_per_request, torch.int64)
         rows = sum(r.query_len for r in requests)
         alone["query"] = torch.randn(rows, heads, head_size, dtype=dtype, device=device)
         for name in ("key_cache", "value_cache"):
@@ -382,36 +385,46 @@ def timings(unified_attention, device, dtype, smoke: bool, deadline: float) -> d
                         if config.startswith("chain")
                         else leaf_sibling_tree(num_nodes)
                     )
-                    per_kind = {}
-                    for kind, (_, heads, kv_heads, head_size, window) in kinds.items():
-                        requests = [
-                            Request(context, query_len=1 + num_nodes)
-                            if paths is None
-                            else Request(context, paths=paths)
-                            for _ in range(batch)
-                        ]
-                        inputs = make_inputs(
-                            requests,
-                            heads,
-                            kv_heads,
-                            head_size,
-                            dtype,
-                            device,
-                            randomize=False,
+                    # Trees of at most 32 rows run with int32 masks, as
+                    # TRITON_ATTN keeps them; timed with int64 masks too.
+                    mask_dtypes = {"": None}
+                    if paths is not None and num_nodes < 32:
+                        mask_dtypes["_int64_masks"] = torch.int64
+                    by_config[config] = {}
+                    for suffix, mask_dtype in mask_dtypes.items():
+                        per_kind = {}
+                        for kind, (_, heads, kv_heads, head_size, window) in kinds.items():
+                            requests = [
+                                Request(context, query_len=1 + num_nodes)
+                                if paths is None
+                                else Request(context, paths=paths)
+                                for _ in range(batch)
+                            ]
+                            inputs = make_inputs(
+                                requests,
+                                heads,
+                                kv_heads,
+                                head_size,
+                                dtype,
+                                device,
+                                randomize=False,
+                                mask_dtype=mask_dtype,
+                            )
+                            per_kind[kind] = time_ms(
+                                functools.partial(
+                                    run,
+                                    unified_attention,
+                                    inputs,
+                                    window,
+                                    use_tree=paths is not None,
+                                ),
+                                device,
+                                repeats=3 if smoke else 25,
+                            )
+                        by_config[config][f"per_layer_ms{suffix}"] = per_kind
+                        by_config[config][f"model_ms{suffix}"] = sum(
+                            kinds[k][0] * ms for k, ms in per_kind.items()
                         )
-                        per_kind[kind] = time_ms(
-                            functools.partial(
-                                run,
-                                unified_attention,
-                                inputs,
-                                window,
-                                use_tree=paths is not None,
-                            ),
-                            device,
-                            repeats=3 if smoke else 25,
-                        )
-                    model_ms = sum(kinds[k][0] * ms for k, ms in per_kind.items())
-                    by_config[config] = {"per_layer_ms": per_kind, "model_ms": model_ms}
                 chain = by_config["chain_k3"]["model_ms"]
                 for config, num_nodes in CONFIGS.items():
                     extra = num_nodes - CONFIGS["chain_k3"]
@@ -424,6 +437,12 @@ def timings(unified_attention, device, dtype, smoke: bool, deadline: float) -> d
                     f"  {model} ctx {context} batch {batch}: "
                     + ", ".join(
                         f"{c} {r['model_ms']:.3f} ms" for c, r in by_config.items()
+                    )
+                    + "; int64 masks / int32 masks "
+                    + ", ".join(
+                        f"{c} {r['model_ms_int64_masks'] / r['model_ms']:.3f}"
+                        for c, r in by_config.items()
+                        if "model_ms_int64_masks" in r
                     )
                     + "; per extra node "
                     + ", ".join(

@@ -43,6 +43,12 @@ def test_device_checks_smoke_under_the_triton_interpreter(tmp_path):
     assert len(cases) == 4 and all(r["passed"] for r in cases.values()), replays
     assert replays["negative_control_bad_rows"] > 0
 
+    # Trees that fit 32 rows are timed with int32 and int64 masks.
+    for point in summary["timings"].values():
+        if isinstance(point, dict):
+            assert "model_ms_int64_masks" in point["tree_12"]
+            assert "model_ms_int64_masks" not in point["tree_32"]
+
     step = summary["verify_step"]
     assert step["consistency"]["passed"], step["consistency"]
     assert not step["skipped_past_time_limit"]

@@ -81,9 +81,11 @@ class Request:
         return [0 if d is None else i - d for i, d in enumerate(self.depths)]
 
 
-def batch_metadata(requests, device, blocks_per_request=None) -> dict:
+def batch_metadata(requests, device, blocks_per_request=None, mask_dtype=None) -> dict:
     """The kernel's per-batch inputs for `requests`: request r's KV lives in
-    blocks 1 + r * blocks_per_request onwards (block 0 unused)."""
+    blocks 1 + r * blocks_per_request onwards (block 0 unused). Ancestor masks
+    are int32 when every tree has at most 32 rows, as TRITON_ATTN keeps them,
+    else int64 (or `mask_dtype`)."""
     if blocks_per_request is None:
         blocks_per_request = max(-(-r.seq_len // BLOCK_SIZE) for r in requests)
     block_table = (
@@ -98,9 +100,13 @@ def batch_metadata(requests, device, blocks_per_request=None) -> dict:
     seq_lens = torch.tensor(
         [r.seq_len for r in requests], dtype=torch.int32, device=device
     )
+    if mask_dtype is None:
+        fits = all(r.query_len <= 32 for r in requests if r.depths[-1] is not None)
+        mask_dtype = torch.int32 if fits else torch.int64
+    # int32: the same bits, bit 31 the sign.
     tree_ancestor_bits = torch.tensor(
         [m for r in requests for m in r.masks], dtype=torch.int64, device=device
-    )
+    ).to(mask_dtype)
     tree_shift = torch.tensor(
         [s for r in requests for s in r.shifts()], dtype=torch.int32, device=device
     )
@@ -116,11 +122,18 @@ def batch_metadata(requests, device, blocks_per_request=None) -> dict:
 
 
 def make_inputs(
-    requests, num_heads, num_kv_heads, head_size, dtype, device, randomize=True
+    requests,
+    num_heads,
+    num_kv_heads,
+    head_size,
+    dtype,
+    device,
+    randomize=True,
+    mask_dtype=None,
 ):
     """`batch_metadata` plus random queries and a KV cache holding every
     request's context."""
-    metadata = batch_metadata(requests, device)
+    metadata = batch_metadata(requests, device, mask_dtype=mask_dtype)
     num_tokens = sum(r.query_len for r in requests)
     num_blocks = metadata["block_table"].numel() + 1
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
