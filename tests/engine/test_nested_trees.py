@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tree sizes that follow the load: with num_speculative_tokens_per_batch_size
 in tree mode, each step drafts and verifies the n likeliest nodes of the
-configured tree for its batch size (n = 0: no drafts); with
-enable_adaptive_verification, the n its measured acceptance and step times
-favour (here from a synthetic step-time table, so that the sizes it picks do
-not depend on this machine). Requests with
+configured tree for its batch size (n = 0: no drafts); with "auto", the
+schedule the engine fixed from its start-up profile and logged, which pins to
+the same choices. Requests with
 max_tokens 8 to 39 finish one after another, so the batch shrinks from 32 to
 1 and n changes inside every request. Greedy output must stay plain greedy
 decoding (tie-aware, tests/engine/identity.py) and seeded sampled output the
@@ -40,42 +39,48 @@ NUM_REQUESTS = 32
 SCHEDULE = [(1, 8, 12), (9, 16, 5), (17, 24, 0), (25, 256, 3)]
 
 
-ADAPTIVE = "adaptive"
-
-
 def speculative(schedule) -> dict:
-    """The continuation tree sized by `schedule`, or by measured acceptance
-    and step times (enable_adaptive_verification) for ADAPTIVE."""
+    """The continuation tree sized by `schedule` (a schedule, or "auto")."""
     _, assistant = trained_pair()
-    sizing = ({"enable_adaptive_verification": True} if schedule == ADAPTIVE
-              else {"num_speculative_tokens_per_batch_size": schedule})
     return {"method": "mtp", "model": str(assistant),
-            "speculative_token_tree": str(CONTINUATION_12), **sizing}
+            "speculative_token_tree": str(CONTINUATION_12),
+            "num_speculative_tokens_per_batch_size": schedule}
 
 
-def synthetic_step_times(llm, monkeypatch) -> None:
-    """Replaces the start-up profile's table by steps of 6 ms + 1 ms per
-    draft forward + 25 us per row and request (rows cost more in a larger
-    batch), left uncorrected: the size then follows the batch and the
-    measured acceptance, not this machine (the whole tree for one or two
-    requests, a few nodes for 4 to 16, none from about 24), at rows of 1 to
-    32 requests whichever batch sizes the profile timed (on a busy machine
-    its time bound leaves some out, and a table of fewer rows chooses
-    otherwise)."""
-    import numpy as np
+class LoggedSchedule:
+    """The schedule line and the profile's seconds an "auto" engine logs."""
 
-    from vllm.v1.spec_decode import tree_sizing
+    def __init__(self):
+        import logging
 
-    chooser = llm.llm_engine.engine_core.engine_core.scheduler.tree_size_chooser
-    assert chooser.seconds is not None, "the start-up profile did not run"
-    monkeypatch.setattr(tree_sizing.TreeSizeChooser, "_correct_table", lambda self: None)
-    paths = chooser.nested.ranked_paths
-    depths = [max((len(p) for p in paths[:n]), default=0) for n in chooser.node_counts]
-    chooser.batch_sizes = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
-    chooser.seconds = np.array([
-        [6e-3 + 1e-3 * depth + 25e-6 * batch * batch * (n + 1)
-         for n, depth in zip(chooser.node_counts, depths)]
-        for batch in chooser.batch_sizes])
+        self.lines: list[str] = []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        self.logger = logging.getLogger("vllm.v1.engine.core")
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+    def schedule(self) -> list[list[int]]:
+        import ast
+
+        (line,) = [line for line in self.lines
+                   if line.startswith("num_speculative_tokens_per_batch_size: ")]
+        return ast.literal_eval(line.split(": ", 1)[1])
+
+    def profile_seconds(self) -> float:
+        (line,) = [line for line in self.lines
+                   if line.startswith("Tree schedule profile took")]
+        return float(line.split()[4])
+
+
+def scheduled_node_counts(llm) -> list[int]:
+    """The node count the engine's scheduler drafts at each batch size."""
+    return list(llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup)
 
 
 def prompts() -> list[list[int]]:
@@ -151,16 +156,14 @@ def references():
 
 
 @pytest.mark.model_runner_v2
-@pytest.mark.parametrize(
-    # Sizes from measured step times run on the V1 runner only.
-    "sizing", ["schedule"] if model_runner_v2.requested() else ["schedule", ADAPTIVE])
-def test_tree_size_follows_the_load(references, sizing, monkeypatch):
+@pytest.mark.parametrize("sizing", ["schedule", "auto"])
+def test_tree_size_follows_the_load(references, sizing):
     batch, expected, sampled_expected = references
-    schedule = SCHEDULE if sizing == "schedule" else ADAPTIVE
-    llm = make_llm(trained_pair()[0], speculative(schedule), max_logprobs=-1)
+    schedule = SCHEDULE if sizing == "schedule" else "auto"
+    with LoggedSchedule() as logged:
+        llm = make_llm(trained_pair()[0], speculative(schedule), max_logprobs=-1)
     try:
-        if sizing == ADAPTIVE:
-            synthetic_step_times(llm, monkeypatch)
+        chosen = scheduled_node_counts(llm)
         got = generate(llm, greedy(batch))
         greedy_counters = spec_decode_counters(llm)
         greedy_sizes = tree_sizes(llm)
@@ -173,26 +176,33 @@ def test_tree_size_follows_the_load(references, sizing, monkeypatch):
         shutdown(llm)
     assert_greedy_identical(got, expected, f"nested trees by {sizing}, greedy")
     drafted, drafts = greedy_counters["num_draft_tokens"], greedy_counters["num_drafts"]
-    print(f"nested trees by {sizing}: {drafted} draft tokens in {drafts} drafts "
-          f"({drafted / drafts:.2f} per draft), accepted "
-          f"{greedy_counters['num_accepted_tokens']}, rescued per depth "
+    print(f"nested trees by {sizing}: {drafted} draft tokens in {drafts} drafts, "
+          f"accepted {greedy_counters['num_accepted_tokens']}, rescued per depth "
           f"{greedy_counters['num_rescued_tokens_per_pos']}")
     print(f"nested trees by {sizing}: steps per drafted node count {greedy_sizes} "
           f"greedy, {sizes} with the seeded requests after them")
-    # Trees of several sizes were verified and drafts accepted; with the
-    # schedule's long runs of the whole tree, runner-ups too.
-    assert 1 < drafted / drafts < 12
-    assert greedy_counters["num_accepted_tokens"] > 0
     if sizing == "schedule":
+        # Trees of several sizes were verified and drafts accepted; with
+        # the schedule's long runs of the whole tree, runner-ups too.
+        assert 1 < drafted / drafts < 12
+        assert greedy_counters["num_accepted_tokens"] > 0
         assert set(greedy_sizes) == {0, 3, 5, 12}
         assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
-    else:
-        # Steps without drafts (the full batch) and trees of several sizes;
-        # over both runs, one with siblings (few steps run at few requests,
-        # several requests ending per step, and the size is chosen anew only
-        # as the batch shrinks by a quarter).
-        assert len(greedy_sizes) >= 3 and 0 in greedy_sizes
-        assert max(sizes) > 3
+        return
+    # "auto": the profile took at most 10 s, the schedule it logged has at
+    # most 4 node counts, and pinned it drafts what "auto" chose at every
+    # batch size.
+    logged_schedule = logged.schedule()
+    print(f"auto: profile {logged.profile_seconds():.1f} s, "
+          f"num_speculative_tokens_per_batch_size: {logged_schedule}")
+    assert logged.profile_seconds() <= 10.5
+    assert len({n for _, _, n in logged_schedule}) <= 4
+    assert set(greedy_sizes) <= {n for _, _, n in logged_schedule}
+    pinned = make_llm(trained_pair()[0], speculative(logged_schedule))
+    try:
+        assert scheduled_node_counts(pinned) == chosen
+    finally:
+        shutdown(pinned)
 
 
 @pytest.mark.model_runner_v2

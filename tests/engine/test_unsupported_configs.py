@@ -51,10 +51,9 @@ CASES = {
     "parallel-drafting": (
         draft_model_tree(parallel_drafting=True), {}, "parallel_drafting",
     ),
-    "schedule-and-adaptive-sizing": (
-        mtp_tree(num_speculative_tokens_per_batch_size=[(1, 8, 12), (9, 256, 4)],
-                 enable_adaptive_verification=True), {},
-        "by load: set one of them",
+    "adaptive-verification": (
+        mtp_tree(enable_adaptive_verification=True), {},
+        "num_speculative_tokens_per_batch_size to 'auto'",
     ),
 }
 
@@ -76,16 +75,16 @@ def test_unsupported_setting_is_refused_naming_it(case):
 
 
 def test_model_runner_v2_serves_gemma4_mtp_trees_sized_by_a_schedule(monkeypatch):
-    """Asked for, Model Runner V2 verifies a Gemma 4 MTP tree; sizing it by
-    measured step times (V1 only) is then refused, naming the setting."""
+    """Asked for, Model Runner V2 verifies a Gemma 4 MTP tree, sized by a
+    schedule or by the schedule "auto" profiles at start-up."""
     from vllm.config import vllm as vllm_config_module
 
     # The CPU build has no Triton; the config only checks that it is there.
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert build_config(mtp_tree()).use_v2_model_runner
-    with pytest.raises(Exception, match="speculative_token_tree .*enable_adaptive_verification"):
-        build_config(mtp_tree(enable_adaptive_verification=True))
+    assert build_config(mtp_tree(num_speculative_tokens_per_batch_size="auto")
+                        ).use_v2_model_runner
 
 
 def test_supported_tree_config_builds():
@@ -96,11 +95,11 @@ def test_supported_tree_config_builds():
 
 @pytest.mark.parametrize("sizing", [
     {"num_speculative_tokens_per_batch_size": [(1, 8, 12), (9, 256, 4)]},
-    {"enable_adaptive_verification": True},
+    {"num_speculative_tokens_per_batch_size": "auto"},
 ])
 def test_tree_sized_by_load_builds_on_the_v1_runner(sizing):
-    """Upstream's Dynamic SD schedule and adaptive verification (V2-only
-    for chains) size a tree in the V1 runner."""
+    """Upstream's Dynamic SD schedule, or "auto", sizes a tree in the V1
+    runner (the CPU build's)."""
     config = build_config(mtp_tree(**sizing))
     assert config.speculative_config.num_speculative_tokens == 12
     assert not config.use_v2_model_runner
