@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How well num_speculative_tokens_per_batch_size "auto" chooses, on quantities
+this machine can resolve (issue 50): one engine in one process per target.
+
+1. The engine starts with "auto" (its 10-s start-up profile fixes and logs a
+   schedule).
+2. A careful step-time table t(B, n) is measured in the same process, with
+   the engine's own profile run longer: batch sizes 1 to 32, every nested
+   node count, ROUNDS rounds of interleaved node counts (each round in
+   another order), STEPS timed steps per cell; each cell's median and the
+   spread of its rounds (max / min) are reported.
+3. E[L](n) is measured on held-apart prompts (not those the tests use):
+   greedy decoding with the whole tree, each node's accepted count over the
+   drafts: E[L](n) = 1 + the accepted share of the n nodes of nested tree n
+   (a path's acceptance does not depend on which other nodes are drafted).
+4. Decision efficiency at each B: the rate B * E[L](n) / t(B, n) of the node
+   count the engine's schedule drafts, over the best node count's, both from
+   the careful table and the measured E[L].
+
+    build/test-venv/bin/python tests/benchmarks/tree_schedule_eval.py \\
+        --target trained --out docs/benchmarks/tree_schedule_eval_trained.json
+
+A benchmark, not a test: it prints ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+ROUNDS = 7
+STEPS = 3
+NUM_EL_PROMPTS = 32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", choices=["trained", "cost_scaled"], default="trained")
+    parser.add_argument("--tree-width", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import numpy as np
+
+    from tests.engine.conftest import make_llm, shutdown
+    from tests.engine.trained_pair import trained_pair
+    from vllm import SamplingParams
+    from vllm.v1.spec_decode import tree_sizing
+
+    target, assistant = trained_pair()
+    if args.target == "cost_scaled":
+        from tests.benchmarks.cost_scaled_target import build
+
+        target = build()
+    # 3. E[L](n) on held-apart prompts, the whole tree drafted every step.
+    llm = make_llm(target, {"method": "mtp", "model": str(assistant),
+                            "num_speculative_tokens": args.depth,
+                            "tree_width": args.tree_width},
+                   max_num_seqs=max(BATCH_SIZES), max_model_len=2048)
+    try:
+        prompts = held_apart_prompts(NUM_EL_PROMPTS)
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64,
+                                             ignore_eos=True), use_tqdm=False)
+        accepted, drafts = per_node_counts(llm)
+    finally:
+        shutdown(llm)
+    print(f"E[L] run: {drafts:.0f} drafts, {sum(accepted.values())} accepted")
+
+    # What the engine core logs (vLLM's logging setup may replace handlers).
+    import vllm.v1.engine.core as core_module
+
+    logged: list[str] = []
+    log_info = core_module.logger.info
+
+    def info(msg, *log_args, **kwargs):
+        logged.append(msg % log_args if log_args else msg)
+        return log_info(msg, *log_args, **kwargs)
+
+    core_module.logger.info = info
+    llm = make_llm(target, {"method": "mtp", "model": str(assistant),
+                            "num_speculative_tokens": args.depth,
+                            "tree_width": args.tree_width,
+                            "num_speculative_tokens_per_batch_size": "auto"},
+                   max_num_seqs=max(BATCH_SIZES), max_model_len=2048,
+                   kv_cache_memory_bytes=2 << 30)
+    try:
+        engine_core = llm.llm_engine.engine_core.engine_core
+        scheduler = engine_core.scheduler
+        chosen = list(scheduler.dynamic_sd_lookup)
+        auto_line = next(line for line in logged
+                         if line.startswith("num_speculative_tokens_per_batch_size: "))
+        auto_seconds = next(float(line.split()[4]) for line in logged
+                            if line.startswith("Tree schedule profile took"))
+        print(f"engine: profile {auto_seconds:.1f} s, {auto_line}", flush=True)
+
+        # 2. The careful table: the engine's profile, longer and at every
+        # batch size, its samples kept.
+        samples: dict = {}
+        finish = tree_sizing.StepTimeTable.finish
+
+        def keep_samples(table):
+            samples.update({k: list(v) for k, v in table.samples.items()})
+            return finish(table)
+
+        tree_sizing.StepTimeTable.finish = keep_samples
+        core_module.PROFILE_ROUNDS = ROUNDS
+        core_module.PROFILE_STEPS_PER_CELL = STEPS
+        core_module.PROFILE_SECONDS = 3600.0
+        core_module.profile_batch_sizes = lambda max_num_seqs: list(BATCH_SIZES)
+        engine_core._profile_tree_schedule()
+        tree_sizing.StepTimeTable.finish = finish
+        node_counts = tree_sizing.profile_node_counts(
+            scheduler.nested_spec_trees.max_num_nodes)
+        medians = np.array([[np.median(samples[(b, n)]) for n in node_counts]
+                            for b in BATCH_SIZES])
+        spreads = np.array([[max(samples[(b, n)]) / min(samples[(b, n)])
+                             for n in node_counts] for b in BATCH_SIZES])
+
+        nested = scheduler.nested_spec_trees
+    finally:
+        shutdown(llm)
+
+    rates = [accepted[path] / drafts for path in nested.ranked_paths]
+    expected = np.concatenate([[1.0], 1.0 + np.cumsum(rates)])
+
+    report = {"target": args.target, "engine_profile_s": auto_seconds,
+              "engine_schedule": auto_line.split(": ", 1)[1],
+              "node_counts": node_counts, "batch_sizes": list(BATCH_SIZES),
+              "step_ms": (1000 * medians).round(3).tolist(),
+              "spread": spreads.round(3).tolist(),
+              "expected_length": expected[node_counts].round(4).tolist(),
+              "efficiency": {}}
+    print("E[L](n): " + ", ".join(f"{n}: {expected[n]:.3f}" for n in node_counts))
+    print("t(B, n) ms (median of rounds; spread max/min):")
+    for b, row, spread in zip(BATCH_SIZES, medians, spreads):
+        print(f"  B {b:>2}: " + " ".join(
+            f"{n}:{1000 * t:.2f}({s:.2f})" for n, t, s in zip(node_counts, row, spread)))
+    for b, row in zip(BATCH_SIZES, medians):
+        rate = b * expected[node_counts] / row
+        best = int(np.argmax(rate))
+        chosen_n = chosen[b]
+        efficiency = rate[node_counts.index(chosen_n)] / rate[best]
+        report["efficiency"][b] = {"chosen": chosen_n, "best": node_counts[best],
+                                   "efficiency": round(float(efficiency), 4)}
+        print(f"  B {b:>2}: engine drafts {chosen_n}, best {node_counts[best]}: "
+              f"efficiency {efficiency:.3f}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def held_apart_prompts(count: int, length: int = 240) -> list[str]:
+    """Standard-library snippets from files the tests' prompts
+    (tests/engine/trained_pair.text_prompts: every third file from the
+    first) do not use."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for path in sorted(stdlib.glob("*.py"))[1::3]:
+        text = path.read_text(errors="ignore")
+        if len(text) > 4 * length:
+            prompts.append(text[len(text) // 3 : len(text) // 3 + length])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def per_node_counts(llm) -> tuple[dict, float]:
+    """Accepted tokens per node path, and drafts, so far."""
+    from tests.engine.conftest import accepted_tokens_per_node, spec_decode_counters
+
+    return accepted_tokens_per_node(llm), float(spec_decode_counters(llm)["num_drafts"])
+
+
+if __name__ == "__main__":
+    main()
