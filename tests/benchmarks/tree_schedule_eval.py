@@ -114,6 +114,7 @@ def main() -> None:
 
         tree_sizing.StepTimeTable.finish = keep_samples
         core_module.PROFILE_ROUNDS = ROUNDS
+        core_module.PROFILE_MAX_ROUNDS = ROUNDS
         core_module.PROFILE_STEPS_PER_CELL = STEPS
         core_module.PROFILE_SECONDS = 3600.0
         core_module.profile_batch_sizes = lambda max_num_seqs: list(BATCH_SIZES)
