@@ -48,6 +48,10 @@ def main() -> None:
     parser.add_argument("--tree-width", type=int, default=4)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--calibrate", action="store_true",
+        help="start the 'auto' engine from the acceptance measured on the "
+        "held-apart prompts (speculative_token_tree_acceptance)")
     args = parser.parse_args()
 
     import numpy as np
@@ -75,6 +79,13 @@ def main() -> None:
     finally:
         shutdown(llm)
     print(f"E[L] run: {drafts:.0f} drafts, {sum(accepted.values())} accepted")
+    calibration = {}
+    if args.calibrate:
+        from vllm.config.speculative import leaf_sibling_token_tree
+
+        tree = leaf_sibling_token_tree(args.depth, args.tree_width)
+        calibration = {"speculative_token_tree_acceptance":
+                       [round(accepted.get(path, 0) / drafts, 4) for path in tree]}
 
     # What the engine core logs (vLLM's logging setup may replace handlers).
     import vllm.v1.engine.core as core_module
@@ -90,7 +101,8 @@ def main() -> None:
     llm = make_llm(target, {"method": "mtp", "model": str(assistant),
                             "num_speculative_tokens": args.depth,
                             "tree_width": args.tree_width,
-                            "num_speculative_tokens_per_batch_size": "auto"},
+                            "num_speculative_tokens_per_batch_size": "auto",
+                            **calibration},
                    max_num_seqs=max(BATCH_SIZES), max_model_len=2048,
                    kv_cache_memory_bytes=2 << 30)
     try:
@@ -134,7 +146,7 @@ def main() -> None:
     rates = [accepted[path] / drafts for path in nested.ranked_paths]
     expected = np.concatenate([[1.0], 1.0 + np.cumsum(rates)])
 
-    report = {"target": args.target, "engine_profile_s": auto_seconds,
+    report = {"target": args.target, "calibrated": args.calibrate, "engine_profile_s": auto_seconds,
               "engine_schedule": auto_line.split(": ", 1)[1],
               "node_counts": node_counts, "batch_sizes": list(BATCH_SIZES),
               "step_ms": (1000 * medians).round(3).tolist(),
