@@ -795,13 +795,17 @@ def render_schedule_evals(out: Path) -> list[str]:
             continue
         r = json.loads(path.read_text())
         node_counts = r["node_counts"]
+        profiles = r["profiles"]
         lines += [
             f"#### {label.capitalize()}",
             "",
             f"`tree_schedule_eval.py --target {r['target']}"
             + (" --calibrate" if r.get("calibrated") else "") + "`: the engine's "
-            f"profile took {r['engine_profile_s']:.1f} s and logged "
-            f"`num_speculative_tokens_per_batch_size: {r['engine_schedule']}`.",
+            f"start-up profile took {profiles[0]['seconds']:.1f} s and logged "
+            f"`num_speculative_tokens_per_batch_size: {profiles[0]['schedule']}`; "
+            f"the {len(profiles) - 1} profiles after it in the same process took "
+            + ", ".join(f"{p['seconds']:.1f}" for p in profiles[1:]) + " s and fixed "
+            + ", ".join(f"`{p['schedule']}`" for p in profiles[1:]) + ".",
             "",
             "| | " + " | ".join(f"n={n}" for n in node_counts) + " |",
             "|---|" + "---|" * len(node_counts),
@@ -811,17 +815,18 @@ def render_schedule_evals(out: Path) -> list[str]:
         for b, row, spread in zip(r["batch_sizes"], r["step_ms"], r["spread"]):
             lines.append(f"| t({b}, n) ms | " + " | ".join(
                 f"{t:.2f} ({s:.2f})" for t, s in zip(row, spread)) + " |")
+        efficiency = [r["efficiency"][str(b)] for b in r["batch_sizes"]]
         lines += [
             "",
             "| requests | " + " | ".join(str(b) for b in r["batch_sizes"]) + " |",
             "|---|" + "---|" * len(r["batch_sizes"]),
-            "| auto drafts | " + " | ".join(
-                str(r["efficiency"][str(b)]["chosen"]) for b in r["batch_sizes"]) + " |",
-            "| best node count | " + " | ".join(
-                str(r["efficiency"][str(b)]["best"]) for b in r["batch_sizes"]) + " |",
-            "| decision efficiency | " + " | ".join(
-                f"{r['efficiency'][str(b)]['efficiency']:.3f}"
-                for b in r["batch_sizes"]) + " |",
+            "| best node count | " + " | ".join(str(e["best"]) for e in efficiency) + " |",
+            f"| auto drafts ({len(profiles)} profiles) | " + " | ".join(
+                ", ".join(str(n) for n in e["chosen"]) for e in efficiency) + " |",
+            "| decision efficiency, median | " + " | ".join(
+                f"{e['median']:.3f}" for e in efficiency) + " |",
+            "| decision efficiency, worst | " + " | ".join(
+                f"{e['worst']:.3f}" for e in efficiency) + " |",
             "",
         ]
     return lines
@@ -848,14 +853,17 @@ def render_load_sweeps(out: Path) -> list[str]:
         "### How well \"auto\" chooses",
         "",
         "`tests/benchmarks/tree_schedule_eval.py`, one engine in one process per "
-        "target (K=3, W=4): the engine starts with \"auto\"; then a careful "
+        "target (K=3, W=4): the engine starts with \"auto\" and runs the same "
+        "10-s profile 4 more times (one profile is one draw of the machine's "
+        "noise: each batch size's efficiency is given as the median and the worst "
+        "of the 5 schedules); then a careful "
         "step-time table is measured in the same process (every batch size and "
         "nested node count, 11 rounds of interleaved cells in rotated order, 6 timed "
         "steps per cell, each cell the lower quartile of its rounds as the engine "
         "takes it, the spread of its rounds, max/min, in brackets), E[L](n) from the "
         "acceptance counted on held-apart standard-library prompts, and the decision "
         "efficiency at each batch size: the tokens/s (B x E[L](n) / t(B, n)) of the "
-        "node count the engine's schedule drafts, over the best node count's, both "
+        "node count a profile's schedule drafts, over the best node count's, both "
         "from that table. \"Calibrated\" starts the engine from the per-node "
         "acceptance measured on those prompts (`speculative_token_tree_acceptance`, "
         "what the planner's `--schedule` prints from a server's metrics); \"prior\" "

@@ -3,7 +3,10 @@
 this machine can resolve (issue 50): one engine in one process per target.
 
 1. The engine starts with "auto" (its 10-s start-up profile fixes and logs a
-   schedule).
+   schedule), then runs that same profile PROFILES - 1 more times in the same
+   process: one profile is one draw of the machine's noise, so each batch
+   size's efficiency is reported as the median and the worst of PROFILES
+   schedules.
 2. A careful step-time table t(B, n) is measured in the same process, with
    the engine's own profile run longer: batch sizes 1 to 32, every nested
    node count every round, ROUNDS rounds of interleaved node counts (each
@@ -15,7 +18,7 @@ this machine can resolve (issue 50): one engine in one process per target.
    drafts: E[L](n) = 1 + the accepted share of the n nodes of nested tree n
    (a path's acceptance does not depend on which other nodes are drafted).
 4. Decision efficiency at each B: the rate B * E[L](n) / t(B, n) of the node
-   count the engine's schedule drafts, over the best node count's, both from
+   count each profile's schedule drafts, over the best node count's, both from
    the careful table and the measured E[L].
 
     build/test-venv/bin/python tests/benchmarks/tree_schedule_eval.py \\
@@ -24,6 +27,12 @@ this machine can resolve (issue 50): one engine in one process per target.
         --target trained --out docs/benchmarks/tree_schedule_eval_trained_prior.json
 
 and the same with --target cost_scaled (tree_schedule_eval_cost_scaled*.json).
+Each run records its profiles' samples, so that a change to the chooser
+(tree_sizing.tree_schedule) can be tried on the same data, running nothing:
+
+    build/test-venv/bin/python tests/benchmarks/tree_schedule_eval.py \
+        --replay docs/benchmarks/tree_schedule_eval_*.json
+
 Run it on an otherwise idle machine: anything else running lands in the
 tables.
 
@@ -46,6 +55,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 ROUNDS = 11
 STEPS = 6
+PROFILES = 5
 NUM_EL_PROMPTS = 32
 
 
@@ -59,7 +69,16 @@ def main() -> None:
         "--calibrate", action="store_true",
         help="start the 'auto' engine from the acceptance measured on the "
         "held-apart prompts (speculative_token_tree_acceptance)")
+    parser.add_argument(
+        "--replay", type=Path, nargs="+", metavar="JSON",
+        help="run nothing: fix each recorded profile's schedule again from its "
+        "samples with the installed vLLM's chooser, and print its efficiency "
+        "beside the recorded one (a chooser change tried on the same data)")
     args = parser.parse_args()
+    if args.replay:
+        for path in args.replay:
+            replay(path)
+        return
 
     import numpy as np
 
@@ -105,6 +124,17 @@ def main() -> None:
         return log_info(msg, *log_args, **kwargs)
 
     core_module.logger.info = info
+    # Every profile's samples and timed node counts, as StepTimeTable.finish
+    # gets them (so that other ways to read them can be tried offline).
+    finished: list[dict] = []
+    finish = tree_sizing.StepTimeTable.finish
+
+    def keep_samples(table, timed_node_counts=None):
+        finished.append({"samples": {k: list(v) for k, v in table.samples.items()},
+                         "timed_node_counts": timed_node_counts})
+        return finish(table, timed_node_counts)
+
+    tree_sizing.StepTimeTable.finish = keep_samples
     llm = make_llm(target, {"method": "mtp", "model": str(assistant),
                             "num_speculative_tokens": args.depth,
                             "tree_width": args.tree_width,
@@ -115,23 +145,30 @@ def main() -> None:
     try:
         engine_core = llm.llm_engine.engine_core.engine_core
         scheduler = engine_core.scheduler
-        chosen = list(scheduler.dynamic_sd_lookup)
-        auto_line = next(line for line in logged
-                         if line.startswith("num_speculative_tokens_per_batch_size: "))
-        auto_seconds = next(float(line.split()[4]) for line in logged
-                            if line.startswith("Tree schedule profile took"))
-        print(f"engine: profile {auto_seconds:.1f} s, {auto_line}", flush=True)
+
+        def profile_run() -> dict:
+            """The schedule the last profile fixed, as its log lines gave it."""
+            line = next(line for line in reversed(logged)
+                        if line.startswith("num_speculative_tokens_per_batch_size: "))
+            seconds = next(float(line.split()[4]) for line in reversed(logged)
+                           if line.startswith("Tree schedule profile took"))
+            return {"seconds": seconds, "schedule": line.split(": ", 1)[1],
+                    "chosen": list(scheduler.dynamic_sd_lookup),
+                    "samples_ms": {f"{b},{n}": [round(1000 * x, 3) for x in v]
+                                   for (b, n), v in finished[-1]["samples"].items()},
+                    "timed_node_counts": finished[-1]["timed_node_counts"]}
+
+        profiles = [profile_run()]
+        print(f"engine: profile {profiles[0]['seconds']:.1f} s, "
+              f"{profiles[0]['schedule']}", flush=True)
+        for _ in range(PROFILES - 1):
+            engine_core._profile_tree_schedule()
+            profiles.append(profile_run())
+            print(f"again: profile {profiles[-1]['seconds']:.1f} s, "
+                  f"{profiles[-1]['schedule']}", flush=True)
 
         # 2. The careful table: the engine's profile, longer and at every
         # batch size, its samples kept.
-        samples: dict = {}
-        finish = tree_sizing.StepTimeTable.finish
-
-        def keep_samples(table, *finish_args):
-            samples.update({k: list(v) for k, v in table.samples.items()})
-            return finish(table, *finish_args)
-
-        tree_sizing.StepTimeTable.finish = keep_samples
         core_module.PROFILE_MAX_ROUNDS = ROUNDS
         tree_sizing.PROFILE_PRUNE_MARGIN = 1.0  # every cell, every round
         tree_sizing.PROFILE_CONTENDER_MARGIN = 1.0
@@ -141,6 +178,7 @@ def main() -> None:
         core_module.profile_batch_sizes = lambda max_num_seqs: list(BATCH_SIZES)
         engine_core._profile_tree_schedule()
         tree_sizing.StepTimeTable.finish = finish
+        samples = finished[-1]["samples"]
         node_counts = tree_sizing.profile_node_counts(
             scheduler.nested_spec_trees.max_num_nodes)
         medians = np.array([[tree_sizing.cell_seconds(samples[(b, n)])
@@ -149,18 +187,26 @@ def main() -> None:
                              for n in node_counts] for b in BATCH_SIZES])
 
         nested = scheduler.nested_spec_trees
+        spec = llm.llm_engine.vllm_config.speculative_config
+        token_budget = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        engine_expected = tree_sizing.expected_acceptance_lengths(
+            nested, dict(zip(spec.token_tree, spec.speculative_token_tree_acceptance))
+            if spec.speculative_token_tree_acceptance else None)
     finally:
         shutdown(llm)
 
     rates = [accepted[path] / drafts for path in nested.ranked_paths]
     expected = np.concatenate([[1.0], 1.0 + np.cumsum(rates)])
 
-    report = {"target": args.target, "calibrated": args.calibrate, "engine_profile_s": auto_seconds,
-              "engine_schedule": auto_line.split(": ", 1)[1],
+    report = {"target": args.target, "calibrated": args.calibrate,
+              "profiles": [{k: v for k, v in p.items() if k != "chosen"}
+                           for p in profiles],
               "node_counts": node_counts, "batch_sizes": list(BATCH_SIZES),
               "step_ms": (1000 * medians).round(3).tolist(),
               "spread": spreads.round(3).tolist(),
               "expected_length": expected[node_counts].round(4).tolist(),
+              "engine_expected_length": engine_expected[node_counts].round(4).tolist(),
+              "max_num_batched_tokens": token_budget,
               "efficiency": {}}
     print("E[L](n): " + ", ".join(f"{n}: {expected[n]:.3f}" for n in node_counts))
     print("t(B, n) ms (lower quartile of rounds, as the engine takes it; "
@@ -171,14 +217,61 @@ def main() -> None:
     for b, row in zip(BATCH_SIZES, medians):
         rate = b * expected[node_counts] / row
         best = int(np.argmax(rate))
-        chosen_n = chosen[b]
-        efficiency = rate[node_counts.index(chosen_n)] / rate[best]
-        report["efficiency"][b] = {"chosen": chosen_n, "best": node_counts[best],
-                                   "efficiency": round(float(efficiency), 4)}
-        print(f"  B {b:>2}: engine drafts {chosen_n}, best {node_counts[best]}: "
-              f"efficiency {efficiency:.3f}")
+        chosen = [p["chosen"][b] for p in profiles]
+        efficiencies = [float(rate[node_counts.index(n)] / rate[best]) for n in chosen]
+        report["efficiency"][b] = {
+            "best": node_counts[best], "chosen": chosen,
+            "efficiencies": [round(e, 4) for e in efficiencies],
+            "median": round(float(np.median(efficiencies)), 4),
+            "worst": round(min(efficiencies), 4)}
+        print(f"  B {b:>2}: best {node_counts[best]}, profiles draft {chosen}: "
+              f"efficiency median {np.median(efficiencies):.3f}, "
+              f"worst {min(efficiencies):.3f}")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def replay(path: Path) -> None:
+    """A recorded run's profiles (their samples and timed node counts), their
+    schedules fixed again by tree_sizing.tree_schedule as installed, and
+    each batch size's efficiency, median and worst, against the recorded
+    careful table: recorded -> replayed."""
+    import numpy as np
+
+    from vllm.v1.spec_decode import tree_sizing
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    r = json.loads(path.read_text())
+    node_counts, batch_sizes = r["node_counts"], r["batch_sizes"]
+    engine_expected = np.zeros(max(node_counts) + 1)
+    engine_expected[node_counts] = r["engine_expected_length"]
+    expected = np.array(r["expected_length"])
+    step_ms = np.array(r["step_ms"])
+    print(f"{path.name}: {r['target']}, "
+          + ("calibrated" if r["calibrated"] else "prior"))
+    replayed = []
+    for profile in r["profiles"]:
+        table = tree_sizing.StepTimeTable(node_counts, batch_sizes)
+        for cell, samples in profile["samples_ms"].items():
+            batch_size, num_nodes = map(int, cell.split(","))
+            for sample in samples:
+                table.add(batch_size, num_nodes, sample / 1000)
+        timed = profile["timed_node_counts"]
+        table.finish({int(b): n for b, n in timed.items()} if timed else None)
+        schedule = tree_sizing.tree_schedule(
+            table.predict, node_counts, engine_expected, max(batch_sizes),
+            r.get("max_num_batched_tokens", sys.maxsize))
+        print(f"  {profile['schedule']} -> {tree_sizing.format_schedule(schedule)}")
+        replayed.append(build_dynamic_sd_schedule_lookup(
+            schedule, max(batch_sizes), max(node_counts)))
+    for i, b in enumerate(batch_sizes):
+        rate = b * expected / step_ms[i]
+        efficiency = [rate[node_counts.index(lookup[b])] / rate.max()
+                      for lookup in replayed]
+        recorded = r["efficiency"][str(b)]
+        print(f"  B {b:>2}: efficiency median {recorded['median']:.3f} -> "
+              f"{np.median(efficiency):.3f}, worst {recorded['worst']:.3f} -> "
+              f"{min(efficiency):.3f}")
 
 
 def held_apart_prompts(count: int, length: int = 240) -> list[str]:
