@@ -39,12 +39,20 @@ NUM_REQUESTS = 32
 SCHEDULE = [(1, 8, 12), (9, 16, 5), (17, 24, 0), (25, 256, 3)]
 
 
-def speculative(schedule) -> dict:
-    """The continuation tree sized by `schedule` (a schedule, or "auto")."""
+# Acceptance "measured earlier" (speculative_token_tree_acceptance) that
+# makes the spine worth drafting at any step time this pair shows: its first
+# 3 nodes yield 3.94 tokens per step where no drafts yield 1.
+SPINE_ACCEPTED = [0.99, 0.0, 0.0, 0.98, 0.0, 0.0, 0.97, 0.0, 0.0, 0.96, 0.0, 0.95]
+
+
+def speculative(schedule, acceptance: list[float] | None = None) -> dict:
+    """The continuation tree sized by `schedule` (a schedule, or "auto"),
+    "auto" starting from `acceptance` when given."""
     _, assistant = trained_pair()
     return {"method": "mtp", "model": str(assistant),
             "speculative_token_tree": str(CONTINUATION_12),
-            "num_speculative_tokens_per_batch_size": schedule}
+            "num_speculative_tokens_per_batch_size": schedule,
+            **({"speculative_token_tree_acceptance": acceptance} if acceptance else {})}
 
 
 class LoggedSchedule:
@@ -156,12 +164,14 @@ def references():
 
 
 @pytest.mark.model_runner_v2
-@pytest.mark.parametrize("sizing", ["schedule", "auto"])
+@pytest.mark.parametrize("sizing", ["schedule", "auto", "auto calibrated"])
 def test_tree_size_follows_the_load(references, sizing):
     batch, expected, sampled_expected = references
     schedule = SCHEDULE if sizing == "schedule" else "auto"
+    acceptance = SPINE_ACCEPTED if sizing == "auto calibrated" else None
     with LoggedSchedule() as logged:
-        llm = make_llm(trained_pair()[0], speculative(schedule), max_logprobs=-1)
+        llm = make_llm(trained_pair()[0], speculative(schedule, acceptance),
+                       max_logprobs=-1)
     try:
         chosen = scheduled_node_counts(llm)
         got = generate(llm, greedy(batch))
@@ -198,6 +208,14 @@ def test_tree_size_follows_the_load(references, sizing):
     assert logged.profile_seconds() <= 10.0
     assert len({n for _, _, n in logged_schedule}) <= 4
     assert set(greedy_sizes) <= {n for _, _, n in logged_schedule}
+    if acceptance:
+        # Started from a spine accepted 95 to 99 % of the time, "auto"
+        # drafts at least 3 of its nodes at one request, and the pair
+        # accepts drafts: identity above held through accepts, not only
+        # through rejections.
+        assert logged_schedule[0][2] >= 3
+        assert any(n >= 3 for n in greedy_sizes)
+        assert greedy_counters["num_accepted_tokens"] > 0
     pinned = make_llm(trained_pair()[0], speculative(logged_schedule))
     try:
         assert scheduled_node_counts(pinned) == chosen
