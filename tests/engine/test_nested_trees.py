@@ -42,7 +42,8 @@ SCHEDULE = [(1, 8, 12), (9, 16, 5), (17, 24, 0), (25, 256, 3)]
 # Acceptance "measured earlier" (speculative_token_tree_acceptance) that
 # makes the spine worth drafting at any step time this pair shows: its first
 # 3 nodes yield 3.94 tokens per step where no drafts yield 1.
-SPINE_ACCEPTED = [0.99, 0.0, 0.0, 0.98, 0.0, 0.0, 0.97, 0.0, 0.0, 0.96, 0.0, 0.95]
+SPINE_ACCEPTED = [round(1.0 - 0.01 * len(path), 2) if set(path) == {0} else 0.0
+                  for path in CONTINUATION_12]
 
 
 def speculative(schedule, acceptance: list[float] | None = None) -> dict:
