@@ -21,7 +21,7 @@ tree kernel captured in a CUDA graph and replayed after rewriting its buffers
 for other batches, against eager calls, with a negative control; (c) the
 whole step (tests/gpu/verify_step.py) at n = 0, 3, 12, 16 and 32 nodes, batch
 1 / 4 / 16 / 64, contexts 1k / 8k, the projected tokens/s and the node count
-an adaptive choice would take per batch size; (d) verify attention per layer
+a tree schedule would draft at each batch size; (d) verify attention per layer
 for chain K=3 (4 query rows per request) and trees of 12, 16 and 32 nodes
 (leaf-sibling, W=4), contexts 1k / 8k / 32k, batch 1 / 8 / 32, and the whole
 model's attention time per extra node. The second command puts the figures
@@ -556,12 +556,12 @@ def render(summary: dict | None) -> str:
                 )
             lines.append(row)
         lines.append(
-            "| adaptive would take n = | | | "
+            "| a tree schedule would draft n = | | | "
             + " | ".join(
                 cell(
                     step.get(f"ctx {context} batch {b}", {})
                     .get("projected", {})
-                    .get("adaptive_num_nodes"),
+                    .get("schedule_num_nodes"),
                     "d",
                 )
                 for b in verify_step.BATCH_SIZES

@@ -62,7 +62,7 @@ def test_device_checks_smoke_under_the_triton_interpreter(tmp_path):
         assert (
             by_config["plain"]["step_ms"] == point["verify_ms_by_num_nodes"]["0"]["ms"]
         )
-        assert point["projected"]["adaptive_num_nodes"] in (0, 3, 12)
+        assert point["projected"]["schedule_num_nodes"] in (0, 3, 12)
 
 
 def test_figures_in_the_doc_are_the_committed_json_s():

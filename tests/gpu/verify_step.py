@@ -35,7 +35,7 @@ Each step shape is captured once in a CUDA graph and timed over its replays.
 The projected tokens/s of a configuration is B x E[L] / step time, with E[L]
 the mean acceptance length the E[L] harness measured on the trained tiny pair
 (docs/benchmarks/el_results.json; an E4B pair's will differ), and the node
-count an adaptive choice would take at a batch size is the one of the
+count a tree schedule would draft at each batch size is the one of the
 configuration projected fastest there.
 """
 
@@ -604,7 +604,7 @@ def step_times(unified_attention, device, dtype, smoke: bool, deadline: float) -
                 + ", ".join(f"{r} rows {v['ms']:.2f}" for r, v in draft.items())
                 + " ms"
                 + (
-                    f"; adaptive n={projected['adaptive_num_nodes']} "
+                    f"; schedule n={projected['schedule_num_nodes']} "
                     f"({projected['best']})"
                     if projected.get("best")
                     else ""
@@ -619,7 +619,7 @@ def step_times(unified_attention, device, dtype, smoke: bool, deadline: float) -
 
 def project(configs: dict, verify: dict, draft: dict, batch_size: int) -> dict:
     """Each configuration's step time and tokens/s at this batch size, and the
-    fastest one's node count (what an adaptive choice takes here)."""
+    fastest one's node count (what a tree schedule drafts here)."""
     by_config = {}
     for name, (paths, mean_acceptance_length) in configs.items():
         num_nodes = len(paths) if paths else 0
@@ -640,5 +640,5 @@ def project(configs: dict, verify: dict, draft: dict, batch_size: int) -> dict:
     return {
         "by_config": by_config,
         "best": best,
-        "adaptive_num_nodes": by_config[best]["num_nodes"],
+        "schedule_num_nodes": by_config[best]["num_nodes"],
     }
