@@ -827,8 +827,19 @@ def render_schedule_evals(out: Path) -> list[str]:
                 f"{e['median']:.3f}" for e in efficiency) + " |",
             "| decision efficiency, worst | " + " | ".join(
                 f"{e['worst']:.3f}" for e in efficiency) + " |",
-            "",
         ]
+        if "split_half" in r:
+            halves = [r["split_half"][str(b)] for b in r["batch_sizes"]]
+            lines.append(
+                "| the careful table's halves, each one's best in the other | "
+                + " | ".join(", ".join(f"{x:.3f}" for x in h["efficiency"])
+                             for h in halves) + " |")
+        if "profile_step_over_careful" in r:
+            ratio = r["profile_step_over_careful"]
+            lines += ["", f"The profiles' {ratio['steps']} timed steps over their "
+                      f"careful cell: median {ratio['median']:.3f}, quartiles "
+                      f"{ratio['q25']:.3f} and {ratio['q75']:.3f}."]
+        lines.append("")
     return lines
 
 
@@ -867,7 +878,13 @@ def render_load_sweeps(out: Path) -> list[str]:
         "from that table. \"Calibrated\" starts the engine from the per-node "
         "acceptance measured on those prompts (`speculative_token_tree_acceptance`, "
         "what the planner's `--schedule` prints from a server's metrics); \"prior\" "
-        "from the nested trees' prior.",
+        "from the nested trees' prior. The careful table's own resolution: its "
+        "rounds split into halves (even and odd), each half's best node count "
+        "scored against the other half; where two tables of 5 or 6 rounds "
+        "measured in one sitting disagree by more than 3 %, a 10-s profile's "
+        "choice cannot be shown to be within 3 % of the best on this machine. "
+        "Below each table, a profile's timed steps over the careful table's cells: "
+        "the noise one profile decides on.",
         "",
         *render_schedule_evals(out),
     ]

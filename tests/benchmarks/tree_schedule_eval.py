@@ -20,6 +20,12 @@ this machine can resolve (issue 50): one engine in one process per target.
 4. Decision efficiency at each B: the rate B * E[L](n) / t(B, n) of the node
    count each profile's schedule drafts, over the best node count's, both from
    the careful table and the measured E[L].
+5. The careful table's own resolution: its rounds split into two halves
+   (even and odd), each half's best node count at each B scored against the
+   other half, as a decision efficiency. Where a table of 5 or 6 rounds of 6
+   steps per cell does not reach an efficiency against an independent twin,
+   a 10-s profile cannot be shown to reach it either: the machine does not
+   resolve that difference.
 
     build/test-venv/bin/python tests/benchmarks/tree_schedule_eval.py \\
         --target trained --calibrate --out docs/benchmarks/tree_schedule_eval_trained.json
@@ -181,8 +187,7 @@ def main() -> None:
         samples = finished[-1]["samples"]
         node_counts = tree_sizing.profile_node_counts(
             scheduler.nested_spec_trees.max_num_nodes)
-        medians = np.array([[tree_sizing.cell_seconds(samples[(b, n)])
-                             for n in node_counts] for b in BATCH_SIZES])
+        medians = careful_table(samples, node_counts)
         spreads = np.array([[max(samples[(b, n)]) / min(samples[(b, n)])
                              for n in node_counts] for b in BATCH_SIZES])
 
@@ -207,6 +212,8 @@ def main() -> None:
               "expected_length": expected[node_counts].round(4).tolist(),
               "engine_expected_length": engine_expected[node_counts].round(4).tolist(),
               "max_num_batched_tokens": token_budget,
+              "careful_samples_ms": {f"{b},{n}": [round(1000 * x, 3) for x in v]
+                                     for (b, n), v in samples.items()},
               "efficiency": {}}
     print("E[L](n): " + ", ".join(f"{n}: {expected[n]:.3f}" for n in node_counts))
     print("t(B, n) ms (lower quartile of rounds, as the engine takes it; "
@@ -227,8 +234,73 @@ def main() -> None:
         print(f"  B {b:>2}: best {node_counts[best]}, profiles draft {chosen}: "
               f"efficiency median {np.median(efficiencies):.3f}, "
               f"worst {min(efficiencies):.3f}")
+    report["samples_per_cell"] = sorted({len(v) for v in samples.values()})
+    report["split_half"] = split_half_efficiency(samples, node_counts, expected)
+    report["profile_step_over_careful"] = profile_step_ratios(
+        profiles, node_counts, medians)
+    print("a profile's timed step over its careful cell: "
+          + ", ".join(f"{k} {v:.3f}"
+                      for k, v in report["profile_step_over_careful"].items()))
+    print("the careful table's halves (even and odd rounds), each half's best "
+          "node count scored against the other half:")
+    for b, halves in report["split_half"].items():
+        print(f"  B {b:>2}: best {halves['best']}, efficiency "
+              f"{halves['efficiency'][0]:.3f} and {halves['efficiency'][1]:.3f}")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def careful_table(samples: dict, node_counts, half: int | None = None):
+    """[batch sizes, node counts] seconds: each cell the lower quartile of the
+    careful profile's samples, or of one half of its rounds (`half` 0: the
+    even rounds, 1: the odd ones; a round is STEPS samples of the cell)."""
+    import numpy as np
+
+    from vllm.v1.spec_decode import tree_sizing
+
+    def kept(cell):
+        rounds = [samples[cell][k : k + STEPS]
+                  for k in range(0, len(samples[cell]), STEPS)]
+        if half is None:
+            return samples[cell]
+        if len(rounds) < 2:  # one round: alternate samples instead
+            return samples[cell][half::2]
+        return [x for r in rounds[half::2] for x in r]
+
+    return np.array([[tree_sizing.cell_seconds(kept((b, n))) for n in node_counts]
+                     for b in BATCH_SIZES])
+
+
+def profile_step_ratios(profiles, node_counts, careful) -> dict:
+    """Every timed step of the profiles over the careful table's cell: the
+    quartiles of that ratio (its spread is the noise one profile decides on)."""
+    import numpy as np
+
+    ratios = [sample / 1000 / careful[BATCH_SIZES.index(b), node_counts.index(n)]
+              for p in profiles for cell, cell_samples in p["samples_ms"].items()
+              for b, n in [map(int, cell.split(","))] if b in BATCH_SIZES
+              for sample in cell_samples]
+    q25, median, q75 = np.percentile(ratios, [25, 50, 75])
+    return {"steps": len(ratios), "q25": round(float(q25), 3),
+            "median": round(float(median), 3), "q75": round(float(q75), 3)}
+
+
+def split_half_efficiency(samples: dict, node_counts, expected) -> dict:
+    """At each B: the best node count of the careful table's even rounds and
+    of its odd rounds, and each one's decision efficiency in the other half."""
+    import numpy as np
+
+    halves = [careful_table(samples, node_counts, half) for half in (0, 1)]
+    gains = np.asarray(expected)[node_counts]
+    result = {}
+    for i, b in enumerate(BATCH_SIZES):
+        rates = [gains / half[i] for half in halves]
+        best = [int(np.argmax(rate)) for rate in rates]
+        result[b] = {
+            "best": [node_counts[k] for k in best],
+            "efficiency": [round(float(rates[1 - h][best[h]] / rates[1 - h].max()), 4)
+                           for h in (0, 1)]}
+    return result
 
 
 def replay(path: Path) -> None:
