@@ -733,6 +733,10 @@ AUTO_PREFIX = "auto_"
 SCHEDULE_EVALS = (
     ("tree_schedule_eval_trained", "the trained pair, calibrated"),
     ("tree_schedule_eval_cost_scaled", "the cost-scaled target, calibrated"),
+    ("tree_schedule_eval_trained_worker_process",
+     "the trained pair, calibrated, the model worker bound as `vllm serve` binds it"),
+    ("tree_schedule_eval_cost_scaled_worker_process",
+     "the cost-scaled target, calibrated, the model worker bound as `vllm serve` binds it"),
     ("tree_schedule_eval_trained_prior", "the trained pair, prior"),
     ("tree_schedule_eval_cost_scaled_prior", "the cost-scaled target, prior"),
 )
@@ -800,7 +804,8 @@ def render_schedule_evals(out: Path) -> list[str]:
             f"#### {label.capitalize()}",
             "",
             f"`tree_schedule_eval.py --target {r['target']}"
-            + (" --calibrate" if r.get("calibrated") else "") + "`: the engine's "
+            + (" --calibrate" if r.get("calibrated") else "")
+            + (" --worker-process" if r.get("worker_process") else "") + "`: the engine's "
             f"start-up profile took {profiles[0]['seconds']:.1f} s and logged "
             f"`num_speculative_tokens_per_batch_size: {profiles[0]['schedule']}`; "
             f"the {len(profiles) - 1} profiles after it in the same process took "

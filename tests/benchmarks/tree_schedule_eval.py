@@ -33,6 +33,9 @@ this machine can resolve (issue 50): one engine in one process per target.
         --target trained --out docs/benchmarks/tree_schedule_eval_trained_prior.json
 
 and the same with --target cost_scaled (tree_schedule_eval_cost_scaled*.json).
+With --worker-process (and `_worker_process` before `.json`), the model
+worker runs in a process of its own, bound by vLLM as `vllm serve` binds it:
+the profiles a server on this machine runs.
 Each run records its profiles' samples, so that a change to the chooser
 (tree_sizing.tree_schedule) can be tried on the same data, running nothing:
 
@@ -75,6 +78,13 @@ def main() -> None:
         "--calibrate", action="store_true",
         help="start the 'auto' engine from the acceptance measured on the "
         "held-apart prompts (speculative_token_tree_acceptance)")
+    parser.add_argument(
+        "--worker-process", action="store_true",
+        help="run the 'auto' engine's model worker in a process of its own "
+        "(distributed_executor_backend 'mp'), as `vllm serve` runs it on CPU: "
+        "vLLM binds the worker to all cores but one, so on a 2-core machine "
+        "each step takes about twice as long and a 10-s profile fits what a "
+        "served one fits")
     parser.add_argument(
         "--replay", type=Path, nargs="+", metavar="JSON",
         help="run nothing: fix each recorded profile's schedule again from its "
@@ -147,7 +157,9 @@ def main() -> None:
                             "num_speculative_tokens_per_batch_size": "auto",
                             **calibration},
                    max_num_seqs=max(BATCH_SIZES), max_model_len=2048,
-                   kv_cache_memory_bytes=2 << 30)
+                   kv_cache_memory_bytes=2 << 30,
+                   **({"distributed_executor_backend": "mp"}
+                      if args.worker_process else {}))
     try:
         engine_core = llm.llm_engine.engine_core.engine_core
         scheduler = engine_core.scheduler
@@ -204,6 +216,7 @@ def main() -> None:
     expected = np.concatenate([[1.0], 1.0 + np.cumsum(rates)])
 
     report = {"target": args.target, "calibrated": args.calibrate,
+              "worker_process": args.worker_process,
               "profiles": [{k: v for k, v in p.items() if k != "chosen"}
                            for p in profiles],
               "node_counts": node_counts, "batch_sizes": list(BATCH_SIZES),
