@@ -272,10 +272,10 @@ def careful_table(samples: dict, node_counts, half: int | None = None):
     from vllm.v1.spec_decode import tree_sizing
 
     def kept(cell):
-        rounds = [samples[cell][k : k + STEPS]
-                  for k in range(0, len(samples[cell]), STEPS)]
         if half is None:
             return samples[cell]
+        rounds = [samples[cell][k : k + STEPS]
+                  for k in range(0, len(samples[cell]), STEPS)]
         if len(rounds) < 2:  # one round: alternate samples instead
             return samples[cell][half::2]
         return [x for r in rounds[half::2] for x in r]
