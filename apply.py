@@ -142,18 +142,25 @@ def load_artifact(key: str, value: dict) -> Artifact:
     value = dict(value)
     compiled_from = value.pop("compiled_from", None)
     if compiled_from is not None:
+        carry = compiled_from.get("carry", [])
+        if not isinstance(carry, list) or not all(isinstance(p, str) for p in carry):
+            raise TypeError("compiled_from.carry must be a list of paths")
         compiled_from = CompiledFrom(
             release=compiled_from["release"],
             sdist=Artifact(key=f"{key}.compiled_from.sdist", **compiled_from["sdist"]),
-            carry=tuple(compiled_from.get("carry", ())),
+            carry=tuple(carry),
         )
     return Artifact(key=key, compiled_from=compiled_from, **value)
 
 
 def load_pin(path: Path = PIN_FILE) -> Pin:
     data = json.loads(path.read_text())
-    artifacts = {key: load_artifact(key, value) for key, value in data["artifacts"].items()}
-    return Pin(data["version"], data["commit"], data["index_url"], artifacts)
+    try:
+        artifacts = {key: load_artifact(key, value) for key, value in data["artifacts"].items()}
+        return Pin(data["version"], data["commit"], data["index_url"], artifacts)
+    except (KeyError, TypeError) as error:
+        raise ToolError(f"{path.name} is malformed: {error} (the fields are in "
+                        "docs/toolchain.md)") from error
 
 
 # ------------------------------------------------------------- downloads
@@ -1097,9 +1104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    pin = load_pin(args.pin)
-    args.index_url = args.index_url or os.environ.get("PIP_INDEX_URL") or pin.index_url
     try:
+        pin = load_pin(args.pin)
+        args.index_url = args.index_url or os.environ.get("PIP_INDEX_URL") or pin.index_url
         VERBS[args.verb](args, pin)
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -519,6 +519,24 @@ def test_build_refuses_a_carry_it_cannot_lay(workspace, older_wheel, capsys, car
     assert message in out
 
 
+@pytest.mark.parametrize(("compiled_from", "message"), [
+    ({"sdist": {}, "carry": []}, "pin.json is malformed: 'release'"),
+    ({"release": OLD_VERSION, "sdist": {"filename": "x.tar.gz"}},
+     "missing 2 required positional arguments: 'project' and 'sha256'"),
+    ({"release": OLD_VERSION, "sdist": {}, "carry": "vllm/binary_differs.py"},
+     "pin.json is malformed: compiled_from.carry must be a list of paths"),
+])
+def test_a_malformed_compiled_from_is_named(workspace, older_wheel, capsys, compiled_from,
+                                            message):
+    pin_path = Path(workspace["common"][workspace["common"].index("--pin") + 1])
+    data = json.loads(pin_path.read_text())
+    data["artifacts"]["cpu"]["compiled_from"] = compiled_from
+    pin_path.write_text(json.dumps(data))
+    code, out, wheel = build_cpu(workspace, capsys)
+    assert code == 1 and wheel is None
+    assert message in out
+
+
 @pytest.fixture
 def index(tmp_path: Path):
     """A package index on loopback serving one artifact through the JSON simple API."""
