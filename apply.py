@@ -15,6 +15,9 @@ Verbs (each does one thing):
   build     make an installable wheel: the pinned binary wheel with the Python
             files the stack changes replaced (nothing is compiled); a binary
             wheel of another release keeps only its compiled members
+  drift     replay the series on another release's sdist and report, patch by
+            patch, whether it applies exactly, at an offset, by a clean
+            three-way merge, with conflicting hunks, or on files that are gone
 
 The pin (vllm-pin.json) is the only place that names the upstream release.
 """
@@ -961,6 +964,159 @@ def build_wheel(changes: dict[str, bytes | None], binary_wheel: Path, version: s
     return target
 
 
+# ------------------------------------------------------------------- drift
+
+
+@dataclass
+class FileDiff:
+    path: str
+    hunks: int
+    created: bool
+
+
+@dataclass
+class Drift:
+    """How one patch lands on another release. `status` is exact, offset,
+    three-way, conflict or gone (every file it changes is); `hunks` counts
+    the hunks on files that still exist, `rejected` those of them that did
+    not land, by file, and `gone` those on files the release deleted."""
+
+    patch: Patch
+    status: str
+    hunks: int
+    rejected: dict[str, int] = field(default_factory=dict)
+    gone: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        words = {
+            "exact": "applies exactly",
+            "offset": "applies at an offset",
+            "three-way": "applies by a clean three-way merge",
+            "conflict": f"conflicts: {sum(self.rejected.values())} of {self.hunks} hunks "
+                        f"({', '.join(f'{p} {n}' for p, n in self.rejected.items())})",
+            "gone": "every file it changes is gone",
+        }
+        text = words[self.status]
+        if self.gone:
+            hunks = sum(self.gone.values())
+            listed = f"{hunks} hunk{'s' * (hunks != 1)}: " + ", ".join(
+                f"{path} {n}" for path, n in self.gone.items())
+            text += f" ({listed})" if self.status == "gone" else f"; gone files ({listed})"
+        return text
+
+
+def patch_files(patch: Patch) -> list[FileDiff]:
+    """The files a patch touches, with their hunk counts (binary-free patches)."""
+    files: list[FileDiff] = []
+    for line in patch.path.read_text(errors="replace").splitlines():
+        if line.startswith("diff --git "):
+            files.append(FileDiff(line.split(" b/", 1)[1], 0, False))
+        elif files and line.startswith("new file mode"):
+            files[-1].created = True
+        elif files and line.startswith("@@ "):
+            files[-1].hunks += 1
+    return files
+
+
+def sdist_repo(sdist: Path, dest: Path) -> tuple[git.Repo, str]:
+    """Extracts a vLLM sdist into a new git repo at dest; returns it and the
+    release's version (from the sdist's top directory)."""
+    try:
+        tar = tarfile.open(sdist)
+    except tarfile.TarError as error:
+        raise ToolError(f"{sdist.name} is not a vLLM sdist: {error}") from None
+    with tar:
+        members = tar.getmembers()
+        top = members[0].name.split("/", 1)[0] + "/" if members else ""
+        match = re.fullmatch(r"vllm-(.+)/", top)
+        if not match:
+            raise ToolError(f"{sdist.name} is not a vLLM sdist (its top folder is {top!r})")
+        kept = []
+        for member in members:
+            if member.name.startswith(top):
+                member.name = member.name[len(top):]
+                kept.append(member)
+        tar.extractall(dest, members=kept, filter="data")
+    repo = git.Repo.init(dest, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("gc", "auto", "0")
+    repo.git.add("-A", "-f")
+    with repo.git.custom_environment(**PRISTINE_IDENTITY):
+        repo.git.commit("-q", "--no-verify", "-m", f"vLLM {match.group(1)}, official sdist")
+    return repo, match.group(1)
+
+
+def git_apply(repo: git.Repo, patch: Patch, *args: str) -> tuple[int, str]:
+    status, _, stderr = repo.git.execute(
+        ["git", "apply", "--whitespace=nowarn", *args, str(patch.path)],
+        with_extended_output=True, with_exceptions=False)
+    return status, stderr
+
+
+def land_patch(repo: git.Repo, patch: Patch) -> Drift:
+    """Lands one patch on the repo's work tree as far as it goes and commits
+    whatever landed, so that later patches see it."""
+    files = patch_files(patch)
+    root = Path(repo.working_dir)
+    gone = {f.path: f.hunks for f in files if not f.created and not (root / f.path).exists()}
+    present = [f for f in files if f.path not in gone]
+    excludes = [f"--exclude={path}" for path in gone]
+    hunks = sum(f.hunks for f in present)
+    if not present:
+        status, rejected = "gone", {}
+    else:
+        code, stderr = git_apply(repo, patch, "--verbose", *excludes)
+        if code == 0:
+            status, rejected = ("offset" if re.search(r"\(offset -?\d+ lines?\)", stderr)
+                                else "exact"), {}
+        elif git_apply(repo, patch, "--3way", *excludes)[0] == 0:
+            status, rejected = "three-way", {}
+        else:
+            repo.git.reset("-q", "--hard")
+            repo.git.clean("-q", "-fd")
+            # A file the patch creates that already exists: all its hunks conflict.
+            existing = [f for f in present if f.created and (root / f.path).exists()]
+            rejected = {f.path: f.hunks for f in existing}
+            _, stderr = git_apply(repo, patch, "--reject", *excludes,
+                                  *[f"--exclude={f.path}" for f in existing])
+            for path, count in re.findall(r"^Applying patch (\S+) with (\d+) reject", stderr,
+                                          re.M):
+                rejected[path] = int(count)
+            status = "conflict" if rejected else "three-way"
+            for rej in repo.git.ls_files("--others", "-z", "--", "*.rej").split("\0"):
+                if rej:
+                    (root / rej).unlink()
+    repo.git.add("-A", "-f")
+    if repo.is_dirty():
+        with repo.git.custom_environment(**PRISTINE_IDENTITY):
+            repo.git.commit("-q", "--no-verify", "-m", f"{patch.subject} ({status})")
+    return Drift(patch, status, hunks, rejected, gone)
+
+
+def drift_sdist(args: argparse.Namespace) -> Path:
+    """The sdist the drift report replays on: a file, or a release's sdist
+    from the package index (with the sha256 the index lists)."""
+    given = Path(args.release)
+    if given.is_file():
+        return given
+    if not re.fullmatch(r"\d+\.\d+\.\d+\S*", args.release):
+        raise ToolError(f"{args.release} is neither an sdist file nor a vLLM version")
+    filename = f"vllm-{args.release}.tar.gz"
+    page = f"{args.index_url.rstrip('/')}/vllm/"
+    request = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            listing = json.load(response)
+    except OSError as e:
+        raise ToolError(f"cannot read the package index {page}: {e}") from e
+    for entry in listing.get("files", []):
+        if entry["filename"] == filename and entry.get("hashes", {}).get("sha256"):
+            artifact = Artifact("drift", "vllm", filename, entry["hashes"]["sha256"])
+            step(f"* {filename}: sha256 {artifact.sha256} (as the index lists it)")
+            return fetch_artifact(artifact, Path(args.cache_dir), args.index_url)
+    raise ToolError(f"{filename} with a sha256 is not listed on {page}")
+
+
 # ------------------------------------------------------------------- verbs
 
 
@@ -1058,6 +1214,44 @@ def cmd_build(args: argparse.Namespace, pin: Pin) -> None:
     step(f"Built {wheel} in {time.monotonic() - started:.1f} s")
 
 
+def cmd_drift(args: argparse.Namespace, pin: Pin) -> None:
+    patches = read_series(args.patches)
+    for patch in patches:
+        parse_header(patch)
+    pinned, base = pristine_repo(args, pin)
+    sdist = drift_sdist(args)
+    keep = Path(args.keep) if args.keep else None
+    if keep and keep.exists():
+        raise ToolError(f"{keep} exists; remove it or name another --keep folder")
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = keep or Path(tmp) / "vllm"
+        repo, version = sdist_repo(sdist, dest)
+        # The pinned release's blobs (the patches' `index` lines) for --3way.
+        alternates = Path(repo.git_dir) / "objects" / "info" / "alternates"
+        alternates.write_text(f"{Path(pinned.git_dir, 'objects').resolve()}\n")
+        step(f"Drift of {len(patches)} patches ({pin.version}) on vLLM {version}:")
+        report = []
+        for patch in patches:
+            drift = land_patch(repo, patch)
+            report.append(drift)
+            step(f"  {patch.path.name}: {drift.describe()}")
+        if keep:
+            # The pinned blobs stay reachable only through the alternate.
+            repo.git.repack("-a", "-d", "-q")
+            alternates.unlink()
+    counts = Counter(d.status for d in report)
+    conflicts = [d for d in report if d.status == "conflict"]
+    rejected = sum(sum(d.rejected.values()) for d in conflicts)
+    hunks = sum(d.hunks for d in report)
+    files = {p for d in conflicts for p in d.rejected}
+    gone = sum(sum(d.gone.values()) for d in report)
+    step(f"On vLLM {version}: {counts['exact']} exact, {counts['offset']} at an offset, "
+         f"{counts['three-way']} by a clean three-way merge, {counts['conflict']} with "
+         f"conflicts ({rejected} of {hunks} hunks, in {len(files)} file{'s' * (len(files) != 1)}), "
+         f"{counts['gone']} only on gone files; {gone} hunks on gone files in all"
+         + (f"; what landed is committed in {keep}" if keep else ""))
+
+
 VERBS = {
     "fetch": cmd_fetch,
     "check": cmd_check,
@@ -1065,6 +1259,7 @@ VERBS = {
     "export": cmd_export,
     "registry": cmd_registry,
     "build": cmd_build,
+    "drift": cmd_drift,
 }
 
 
@@ -1099,6 +1294,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name == "build":
             verb.add_argument("--target", choices=("cpu", "cuda"), required=True)
             verb.add_argument("--out", default=str(DEFAULT_DIST), help="where the wheel goes")
+        if name == "drift":
+            verb.add_argument(
+                "release",
+                help="the other release: its sdist file, or a version to download from "
+                "the package index (with the sha256 the index lists)",
+            )
+            verb.add_argument(
+                "--keep",
+                help="keep the replay there: a git repo of the release with one commit "
+                "per patch of whatever landed (a start for the rebase)",
+            )
     return parser.parse_args(argv)
 
 
