@@ -440,8 +440,16 @@ def pinned_ruff_version(repo: git.Repo, base: str) -> str | None:
         config = repo.git.show(f"{base}:.pre-commit-config.yaml")
     except git.GitCommandError:
         return None
-    match = re.search(rf"repo:\s*{re.escape(RUFF_HOOK)}\s*\n\s*rev:\s*v?(\S+)", config)
-    return match.group(1) if match else None
+    # The rev is a tag, or a commit pinned with its tag in a comment
+    # (`rev: <sha>  # frozen: v0.17.2`, as `pre-commit autoupdate --freeze`
+    # writes it).
+    match = re.search(
+        rf"repo:\s*{re.escape(RUFF_HOOK)}\s*\n\s*rev:\s*v?(\S+)(?:\s*#\s*frozen:\s*v?(\S+))?",
+        config,
+    )
+    if not match:
+        return None
+    return match.group(2) or match.group(1)
 
 
 def ruff(*args: str, cwd: Path | None = None) -> tuple[int, str]:

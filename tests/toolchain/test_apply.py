@@ -317,6 +317,18 @@ def test_check_refuses_a_ruff_other_than_the_pinned_one(workspace, capsys):
     assert code == 1 and "python3 -m pip install ruff==0.0.1" in out.err + out.out
 
 
+@pytest.mark.parametrize("rev, version", [
+    ("v0.14.0", "0.14.0"),
+    ("f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2", "0.17.2"),
+])
+def test_the_pinned_ruff_is_read_from_a_tag_or_a_frozen_commit(tmp_path, rev, version):
+    repo = git.Repo.init(tmp_path, initial_branch="main")
+    (tmp_path / ".pre-commit-config.yaml").write_text(
+        f"repos:\n- repo: {apply.RUFF_HOOK}\n  rev: {rev}\n  hooks:\n  - id: ruff-check\n")
+    commit_all(repo, "lint configuration")
+    assert apply.pinned_ruff_version(repo, "HEAD") == version
+
+
 def test_check_imports_each_prefix_of_the_series(workspace, capsys):
     """With --target, a patch whose modules import only once a later patch
     lands is named: the series must bisect."""
