@@ -286,10 +286,18 @@ def create_pristine_repo(pin: Pin, dest: Path, cache_dir: Path, index_url: str) 
     return git.Repo(dest)
 
 
+def default_src(pin_path: Path, pin: Pin) -> Path:
+    """Where the pristine repo of a pin is made when --vllm-src is not given:
+    build/vllm for the project's pin, build/vllm-<version> for another one."""
+    if pin_path.resolve() == PIN_FILE.resolve():
+        return DEFAULT_SRC
+    return BUILD_DIR / f"vllm-{pin.version}"
+
+
 def pristine_repo(args: argparse.Namespace, pin: Pin) -> tuple[git.Repo, str]:
     """Returns the vLLM repo to work in and the pinned base revision."""
     src = Path(args.vllm_src)
-    if not src.exists() and src.resolve() == DEFAULT_SRC.resolve():
+    if not src.exists() and src.resolve() == default_src(args.pin, pin).resolve():
         create_pristine_repo(pin, src, Path(args.cache_dir), args.index_url)
     repo = open_repo(src)
     base = pin.tag if pin.tag in repo.tags else "HEAD"
@@ -336,7 +344,8 @@ def read_series(patch_dir: Path) -> list[Patch]:
     problems += [f"{n} is not listed in the series" for n in on_disk if n not in names]
     if problems:
         raise ToolError(f"{series_file} is inconsistent:\n  " + "\n  ".join(problems))
-    return [Patch(i, len(names), patch_dir / n) for i, n in enumerate(names, 1)]
+    # Absolute: git runs them from the vLLM checkout.
+    return [Patch(i, len(names), patch_dir.resolve() / n) for i, n in enumerate(names, 1)]
 
 
 def parse_header(patch: Patch) -> None:
@@ -1281,8 +1290,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         verb.add_argument("--patches", type=Path, default=PATCH_DIR, help="patch directory")
         verb.add_argument("--pin", type=Path, default=PIN_FILE, help="the pin (JSON)")
         verb.add_argument(
-            "--vllm-src", default=str(DEFAULT_SRC),
-            help="vLLM git checkout (default: build/vllm, made from the pinned sdist)",
+            "--vllm-src",
+            help="vLLM git checkout (default: build/vllm, made from the pinned sdist; "
+            "build/vllm-<version> for another --pin)",
         )
         verb.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="downloaded artifacts")
         verb.add_argument(
@@ -1320,6 +1330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         pin = load_pin(args.pin)
+        args.vllm_src = args.vllm_src or str(default_src(args.pin, pin))
         args.index_url = args.index_url or os.environ.get("PIP_INDEX_URL") or pin.index_url
         VERBS[args.verb](args, pin)
     except ToolError as e:

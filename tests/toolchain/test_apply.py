@@ -583,6 +583,14 @@ def test_download_with_a_wrong_hash_is_refused(index, tmp_path):
     assert not any((tmp_path / "cache").iterdir())
 
 
+def test_another_pin_gets_a_pristine_repo_of_its_own(tmp_path):
+    pin = apply.load_pin()
+    assert apply.default_src(apply.PIN_FILE, pin) == apply.DEFAULT_SRC
+    other = tmp_path / "pin.json"
+    other.write_text(apply.PIN_FILE.read_text().replace(pin.version, "9.9.9"))
+    assert apply.default_src(other, apply.load_pin(other)) == apply.BUILD_DIR / "vllm-9.9.9"
+
+
 def test_pin_is_the_one_source_of_the_release():
     pin = apply.load_pin()
     assert set(pin.artifacts) == {"sdist", "cuda", "cpu"}
