@@ -47,13 +47,7 @@ if [ -n "$in_tree_tests" ]; then
     --import-mode=append --rootdir=. -p no:cacheprovider -q $in_tree_tests)
 fi
 
-step "Running the project's tests (Model Runner V1, the CPU build's runner)"
-# setup.cfg holds the pytest configuration (paths, markers).
-status=0
-"$python" -m pytest -p require_tests "$@" || status=$?
-
-step "Running the runner-independent proofs on Model Runner V2 (async scheduling)"
-# Tests marked model_runner_v2, on V2's kernels under Triton's interpreter
-# (tests/engine/model_runner_v2.py).
-TREE_TEST_MODEL_RUNNER=v2 "$python" -m pytest -p require_tests "$@" || status=$?
-exit $status
+step "Running the project's tests (Model Runner V2, async scheduling)"
+# setup.cfg holds the pytest configuration (paths, markers). V2's kernels run
+# under Triton's interpreter (tests/engine/model_runner_v2.py).
+"$python" -m pytest -p require_tests "$@"

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A tree drafter that drafts against the target's own ranking, for the
-sampled tree walk's exact distribution test, plugged in through vLLM's
-`custom_class` proposer hook.
+sampled tree walk's exact distribution test, plugged in as a host drafter
+(tests/engine/host_drafter.py).
 
 It knows the target's best tokens at some contexts (from a plain engine) and
 drafts, for ADVERSARIAL_TREE: the second-best token as the spine with the best

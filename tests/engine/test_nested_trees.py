@@ -8,15 +8,13 @@ max_tokens 8 to 39 finish one after another, so the batch shrinks from 32 to
 1 and n changes inside every request. Greedy output must stay plain greedy
 decoding (tie-aware, tests/engine/identity.py) and seeded sampled output the
 text those requests give decoded without drafts
-(tests/engine/keyed_sampling.py). On Model Runner V2 the schedule's trees are
-verified with async scheduling, each step's output naming the tree its drafts
-came from."""
+(tests/engine/keyed_sampling.py). The schedule's trees are verified with
+async scheduling, each step's output naming the tree its drafts came from."""
 
 from __future__ import annotations
 
 import pytest
 
-from . import model_runner_v2
 from .conftest import (
     greedy_generate,
     make_llm,
@@ -27,7 +25,7 @@ from .conftest import (
 from .identity import assert_greedy_identical
 from .keyed_sampling import ScoreOracle, SeededRequest, assert_seeded_identical
 from .test_mtp_tree import CONTINUATION_12
-from .test_seeded_tree_sampling import NO_DRAFTS, SAMPLINGS
+from .test_seeded_tree_sampling import SAMPLINGS
 from .trained_pair import text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
@@ -152,27 +150,18 @@ def seeded(batch: list[list[int]]) -> list[SeededRequest]:
 def references():
     """Plain greedy decoding (with its top-2 logprobs) and the seeded
     requests decoded without drafts: by Model Runner V2 without speculation
-    (whose keys a V2 tree shares), or by a V1 tree-mode engine."""
+    (whose keys a tree shares)."""
     batch = prompts()
     llm = make_llm(trained_pair()[0])
     try:
         expected = plain_greedy_reference(
             llm, batch, [max_tokens(i) for i in range(len(batch))])
-        if model_runner_v2.requested():
-            sampled = generate(llm, seeded(batch))
+        sampled = generate(llm, seeded(batch))
     finally:
         shutdown(llm)
-    if not model_runner_v2.requested():
-        llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
-        try:
-            sampled = generate(llm, seeded(batch), **NO_DRAFTS)
-            assert spec_decode_counters(llm)["num_draft_tokens"] == 0
-        finally:
-            shutdown(llm)
     return batch, expected, sampled
 
 
-@pytest.mark.model_runner_v2
 @pytest.mark.parametrize("sizing", ["schedule", "auto", "auto calibrated"])
 def test_tree_size_follows_the_load(references, sizing):
     batch, expected, sampled_expected = references
@@ -233,7 +222,6 @@ def test_tree_size_follows_the_load(references, sizing):
         shutdown(pinned)
 
 
-@pytest.mark.model_runner_v2
 def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
     batch, expected, _ = references
     llm = make_llm(trained_pair()[0], speculative([(1, 256, 0)]))
@@ -244,7 +232,6 @@ def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
         shutdown(llm)
     assert_greedy_identical(got, expected, "nested trees, schedule of 0 nodes")
     assert counters.get("num_draft_tokens", 0) == 0
-
 
 
 def test_requests_reach_max_model_len_with_nested_trees_of_several_sizes():

@@ -22,6 +22,7 @@ from collections import Counter
 import pytest
 
 from .adversarial_drafter import ADVERSARIAL_TREE, AdversarialTreeDrafter, RankingScript
+from .host_drafter import host_drafter
 from .conftest import make_llm, plain_greedy_reference, shutdown, spec_decode_counters
 from .distribution import goodness_of_fit
 from .identity import assert_greedy_identical
@@ -156,7 +157,7 @@ def sample(llm, prompt, first_seed: int, count: int, greedy_prompts=()):
 def test_sampled_tree_walk_samples_the_exact_distribution(reference):
     prompt, script, joint, (depth_1, depth_2), greedy_prompts, greedy_expected = reference
     AdversarialTreeDrafter.script = script
-    llm = engine({"model": DRAFTER, "speculative_token_tree": ADVERSARIAL_TREE})
+    llm = engine({**host_drafter(DRAFTER), "speculative_token_tree": ADVERSARIAL_TREE})
     try:
         samples, greedy_got = sample(llm, prompt, 0, NUM_SAMPLES, greedy_prompts)
         counters = spec_decode_counters(llm)

@@ -3,9 +3,11 @@
 by Triton's interpreter: plain greedy decoding, then a Gemma 4 MTP tree, then
 the same tree with the kernel's ancestor mask dropped. Prints one JSON line.
 
-Run by test_triton_tree_engine.py in a subprocess: the interpreter and the
-backend override must be in place before vLLM is imported. Test-only
-overrides: the CPU build disables Triton (it has no CPU backend; the
+Run by test_triton_tree_engine.py in a subprocess, on Model Runner V2 as
+the tests' own process runs it (tests/engine/model_runner_v2.py: the
+interpreter, async scheduling, the torch top-k/top-p path), with TRITON_ATTN
+for every attention layer: both must be in place before vLLM is imported.
+Test-only overrides: the CPU build disables Triton (it has no CPU backend; the
 interpreter needs none), the CPU platform always picks CPU_ATTN, and
 TRITON_ATTN's KV cache writer asks CUDA for the device capability (a tuning
 choice only).
@@ -14,20 +16,16 @@ choice only).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.engine.model_runner_v2 import (  # noqa: E402
+    install,
     select_triton_attention,
-    use_triton_interpreter,
 )
 
-# The V1 model runner (tests/engine/test_blocking_reads.py runs TRITON_ATTN
-# on Model Runner V2).
-os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-use_triton_interpreter()
+install()
 select_triton_attention()
 
 from tests.engine.conftest import (  # noqa: E402
