@@ -9,7 +9,8 @@ venv=${TREE_TEST_VENV:-build/test-venv}
 python=$venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-step() { printf '* %s\n' "$*"; }
+# Each step names the seconds since the start: CI's time, part by part.
+step() { printf '* [%ds] %s\n' "$SECONDS" "$*"; }
 
 if [ ! -x "$python" ]; then
   step "Creating $venv"
@@ -49,5 +50,8 @@ fi
 
 step "Running the project's tests (Model Runner V2, async scheduling)"
 # setup.cfg holds the pytest configuration (paths, markers). V2's kernels run
-# under Triton's interpreter (tests/engine/model_runner_v2.py).
-"$python" -m pytest -p require_tests "$@"
+# under Triton's interpreter (tests/engine/model_runner_v2.py): single-threaded
+# Python, so two workers use both cores; a module's tests stay in one worker
+# (their engines and references are module-scoped).
+"$python" -m pytest -p require_tests -n 2 --dist loadfile --durations=20 "$@"
+step "Done"

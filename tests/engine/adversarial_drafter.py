@@ -9,8 +9,9 @@ as its sibling, a duplicate of the best (a decoy that must count once), a
 token outside the top-k (never sampled), and the top-ranked continuations of
 the spine and of the best token. Where it knows the context but not the
 continuations it drafts the first level only (a breadth-first prefix); where
-the script says so, or the context is unknown, it drafts nothing (zero-draft
-rows next to tree rows).
+the script says so, or the context is unknown, it drafts nothing (Model Runner
+V2 verifies those nodes as <pad>, tests/engine/host_drafter.py: rejected at
+the root, as if undrafted).
 """
 
 from __future__ import annotations

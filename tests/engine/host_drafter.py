@@ -8,6 +8,12 @@ names a class with `__init__(vllm_config)` and `propose(sampled_token_ids,
 num_tokens_no_spec, token_ids_cpu)`, which returns each request's drafts (in a
 tree's breadth-first order). `register()` must run in every process that
 builds an engine config (tests/engine/model_runner_v2.py does it).
+
+Model Runner V2 verifies every node the scheduler scheduled: a request has no
+fewer drafts than the tree has nodes. A node the proposer leaves out (a
+breadth-first prefix, or no drafts at all) is drafted as UNPROPOSED_TOKEN, the
+checkpoints' <pad>, which no trained target ranks in its top-k: verified and
+rejected like any wrong draft, so the step yields what it would without it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 import torch
 
 METHOD = "tree_test_host_drafter"
+UNPROPOSED_TOKEN = 0
 
 
 def host_drafter(proposer: str, **spec: Any) -> dict[str, Any]:
@@ -78,8 +85,8 @@ def _speculator_class():
                     last_sampled, next_prefill_tokens, temperature, seeds,
                     dp_sync_state=None, dummy_run=False, skip_attn_for_dummy_run=False,
                     mm_inputs=None, is_profile=False, num_speculative_tokens=None):
-            drafts = torch.full((input_batch.num_reqs, self.num_speculative_steps), -1,
-                                dtype=torch.int64, device=self.device)
+            drafts = torch.full((input_batch.num_reqs, self.num_speculative_steps),
+                                UNPROPOSED_TOKEN, dtype=torch.int64, device=self.device)
             if dummy_run:
                 return drafts
             # Host reads: test-only, as the host drafters they serve.

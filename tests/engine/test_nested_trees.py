@@ -2,8 +2,9 @@
 """Tree sizes that follow the load: with num_speculative_tokens_per_batch_size
 in tree mode, each step drafts and verifies the n likeliest nodes of the
 configured tree for its batch size (n = 0: no drafts); with "auto", the
-schedule the engine fixed from its start-up profile and logged, which pins to
-the same choices. Requests with
+schedule the engine fixed from its start-up profile (of modeled step times
+here, so that no verdict depends on this machine's clock) and logged, which
+pins to the same choices. Requests with
 max_tokens 8 to 39 finish one after another, so the batch shrinks from 32 to
 1 and n changes inside every request. Greedy output must stay plain greedy
 decoding (tie-aware, tests/engine/identity.py) and seeded sampled output the
@@ -55,7 +56,7 @@ def speculative(schedule, acceptance: list[float] | None = None) -> dict:
 
 
 class LoggedSchedule:
-    """The schedule line and the profile's seconds an "auto" engine logs."""
+    """The schedule line and the step-time table an "auto" engine logs."""
 
     def __init__(self):
         import logging
@@ -79,9 +80,6 @@ class LoggedSchedule:
                    if line.startswith("num_speculative_tokens_per_batch_size: ")]
         return ast.literal_eval(line.split(": ", 1)[1])
 
-    def profile_seconds(self) -> float:
-        return float(self._profile_line().split()[4])
-
     def timed_batch_sizes(self) -> list[int]:
         """The batch sizes (rows) of the step-time table the profile logged."""
         _, _, *rows = self._profile_line().splitlines()
@@ -95,7 +93,9 @@ class LoggedSchedule:
 
 def scheduled_node_counts(llm) -> list[int]:
     """The node count the engine's scheduler drafts at each batch size."""
-    return list(llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup)
+    return list(
+        llm.llm_engine.engine_core.engine_core.scheduler.tree_sizes.num_nodes_by_batch_size
+    )
 
 
 def prompts() -> list[list[int]]:
@@ -162,16 +162,34 @@ def references():
     return batch, expected, sampled
 
 
-@pytest.mark.parametrize("sizing", ["schedule", "auto", "auto calibrated"])
-def test_tree_size_follows_the_load(references, sizing):
+def modeled_step_seconds(batch_size: int, num_nodes: int) -> float:
+    """The step time the "auto" profile records here instead of the clock's:
+    a fixed cost plus one per row verified."""
+    return 0.010 + 0.0005 * batch_size * (1 + num_nodes)
+
+
+@pytest.fixture
+def modeled_profile(monkeypatch):
+    """An "auto" start-up profile whose table is modeled_step_seconds: every
+    cell timed once, whatever this machine's clock says, so the schedule it
+    fixes is the same on every run."""
+    from vllm.v1.engine import core
+    from vllm.v1.spec_decode.tree_sizing import StepTimeTable
+
+    monkeypatch.setattr(core, "PROFILE_SECONDS", float("inf"))
+    monkeypatch.setattr(core, "PROFILE_MAX_ROUNDS", 1)
+    monkeypatch.setattr(core, "PROFILE_MAX_CELL_STEPS", 1)
+    add = StepTimeTable.add
+    monkeypatch.setattr(
+        StepTimeTable, "add",
+        lambda table, batch_size, num_nodes, seconds: add(
+            table, batch_size, num_nodes, modeled_step_seconds(batch_size, num_nodes)))
+
+
+def test_tree_size_follows_the_load(references):
     batch, expected, sampled_expected = references
-    schedule = SCHEDULE if sizing == "schedule" else "auto"
-    acceptance = SPINE_ACCEPTED if sizing == "auto calibrated" else None
-    with LoggedSchedule() as logged:
-        llm = make_llm(trained_pair()[0], speculative(schedule, acceptance),
-                       max_logprobs=-1)
+    llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
     try:
-        chosen = scheduled_node_counts(llm)
         got = generate(llm, greedy(batch))
         greedy_counters = spec_decode_counters(llm)
         greedy_sizes = tree_sizes(llm)
@@ -179,47 +197,101 @@ def test_tree_size_follows_the_load(references, sizing):
         sizes = tree_sizes(llm)
         oracle = ScoreOracle(llm)
         assert_seeded_identical(sampled, sampled_expected, seeded(batch), oracle,
-                                f"nested trees by {sizing}, seeded")
+                                "nested trees by schedule, seeded")
     finally:
         shutdown(llm)
-    assert_greedy_identical(got, expected, f"nested trees by {sizing}, greedy")
+    assert_greedy_identical(got, expected, "nested trees by schedule, greedy")
     drafted, drafts = greedy_counters["num_draft_tokens"], greedy_counters["num_drafts"]
-    print(f"nested trees by {sizing}: {drafted} draft tokens in {drafts} drafts, "
+    print(f"nested trees by schedule: {drafted} draft tokens in {drafts} drafts, "
           f"accepted {greedy_counters['num_accepted_tokens']}, rescued per depth "
-          f"{greedy_counters['num_rescued_tokens_per_pos']}")
-    print(f"nested trees by {sizing}: steps per drafted node count {greedy_sizes} "
-          f"greedy, {sizes} with the seeded requests after them")
-    if sizing == "schedule":
-        # Trees of several sizes were verified and drafts accepted; with
-        # the schedule's long runs of the whole tree, runner-ups too.
-        assert 1 < drafted / drafts < 12
-        assert greedy_counters["num_accepted_tokens"] > 0
-        assert set(greedy_sizes) == {0, 3, 5, 12}
-        assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
-        return
-    # "auto": which schedule the profile fixes depends on the step times it
-    # measured on this machine, so nothing here asserts the choice (nor how
-    # long the profile took): the schedule-from-a-table tests of patch 0022
-    # do, on given tables. What holds whatever was timed: the logged
-    # schedule has at most 4 node counts, every step drafted one of them,
-    # identity held above, and pinned, the schedule drafts what "auto" chose
-    # at every batch size.
+          f"{greedy_counters['num_rescued_tokens_per_pos']}; steps per drafted node "
+          f"count {greedy_sizes} greedy, {sizes} with the seeded requests after them")
+    # Trees of several sizes were verified and drafts accepted; with the
+    # schedule's long runs of the whole tree, runner-ups too.
+    assert 1 < drafted / drafts < 12
+    assert greedy_counters["num_accepted_tokens"] > 0
+    assert set(greedy_sizes) == {0, 3, 5, 12}
+    assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
+
+
+@pytest.mark.parametrize("acceptance", [None, SPINE_ACCEPTED],
+                         ids=["auto", "auto calibrated"])
+def test_auto_fixes_a_schedule_at_start_up(references, modeled_profile, acceptance):
+    """"auto" times each node count at each batch size on synthetic requests
+    (here: records modeled_step_seconds for each), fixes a schedule, logs it
+    as a literal and drafts it; pinned, that literal drafts the same."""
+    batch, expected, _ = references
+    batch = batch[:8]
+    expected = expected[:8]
+    with LoggedSchedule() as logged:
+        llm = make_llm(trained_pair()[0], speculative("auto", acceptance),
+                       max_logprobs=-1, max_num_seqs=8)
+    try:
+        chosen = scheduled_node_counts(llm)
+        got = generate(llm, greedy(batch))
+        counters = spec_decode_counters(llm)
+        sizes = tree_sizes(llm)
+    finally:
+        shutdown(llm)
+    assert_greedy_identical(got, expected, f"nested trees by {acceptance and 'calibrated '}auto")
     logged_schedule = logged.schedule()
-    print(f"auto: profile {logged.profile_seconds():.1f} s over batch sizes "
-          f"{logged.timed_batch_sizes()}, "
-          f"num_speculative_tokens_per_batch_size: {logged_schedule}")
+    print(f"auto (acceptance {acceptance}): profile over batch sizes "
+          f"{logged.timed_batch_sizes()}, num_speculative_tokens_per_batch_size: "
+          f"{logged_schedule}; steps per drafted node count {sizes}, accepted "
+          f"{counters.get('num_accepted_tokens', 0)}")
+    assert logged.timed_batch_sizes() == [1, 2, 4, 8]
     assert len({n for _, _, n in logged_schedule}) <= 4
-    assert set(greedy_sizes) <= {n for _, _, n in logged_schedule}
-    if acceptance and any(n > 0 for n in greedy_sizes):
-        # Started from a spine accepted 95 to 99 % of the time, whatever
-        # "auto" drafted was accepted: identity above held through accepts,
-        # not only through rejections.
-        assert greedy_counters["num_accepted_tokens"] > 0
-    pinned = make_llm(trained_pair()[0], speculative(logged_schedule))
+    assert set(sizes) <= {n for _, _, n in logged_schedule}
+    if acceptance is not None:
+        # From a spine accepted 95 to 99 % of the time, with rows this cheap,
+        # the schedule drafts at every batch size and the drafts are accepted:
+        # identity above held through accepts, not only through rejections.
+        assert all(n > 0 for _, _, n in logged_schedule)
+        assert counters["num_accepted_tokens"] > 0
+    pinned = make_llm(trained_pair()[0], speculative(logged_schedule), max_num_seqs=8)
     try:
         assert scheduled_node_counts(pinned) == chosen
     finally:
         shutdown(pinned)
+
+
+def test_full_prefix_cache_hits_verify_the_tree_their_batch_size_drafts(references):
+    """A request whose prompt is cached up to its last token starts as a
+    decode, which vLLM pads to num_speculative_tokens placeholder drafts; under
+    a schedule drafting fewer nodes than the tree has (3 of 12 here), its
+    first step must verify the scheduled tree's nodes, not 12 placeholders.
+    Each request is resumed with the first tokens it generated appended, up
+    to one token past a block boundary: all but that token are cached."""
+    from .identity import GreedyReference
+
+    block_size = 16
+    batch, expected, _ = references
+    picked = range(16, 20)
+    llm = make_llm(trained_pair()[0], speculative([(1, 256, 3)]),
+                   enable_prefix_caching=True, block_size=block_size)
+    try:
+        first = greedy_generate(llm, [batch[i] for i in picked],
+                                [max_tokens(i) for i in picked])
+        # k generated tokens appended: prompt length 1 past a block boundary.
+        appended = [(1 - len(batch[i])) % block_size or block_size for i in picked]
+        resumed = greedy_generate(
+            llm, [batch[i] + expected.tokens[i][:k] for i, k in zip(picked, appended)],
+            [max_tokens(i) - k for i, k in zip(picked, appended)])
+        counters = spec_decode_counters(llm)
+        sizes = tree_sizes(llm)
+        hits = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}.get(
+            "vllm:prefix_cache_hits")
+    finally:
+        shutdown(llm)
+    picked_expected = expected[16:20]
+    assert_greedy_identical(first, picked_expected, "3-node schedule, cold prefix cache")
+    resumed_expected = GreedyReference(
+        [t[k:] for t, k in zip(picked_expected.tokens, appended)],
+        [s[k:] for s, k in zip(picked_expected.top2, appended)])
+    assert_greedy_identical(resumed, resumed_expected, "3-node schedule, resumed from cache")
+    assert hits and hits > 0
+    assert set(sizes) == {3}
+    assert counters["num_accepted_tokens"] > 0
 
 
 def test_a_schedule_of_zero_nodes_turns_speculation_off(references):

@@ -7,11 +7,15 @@ three sampled tokens follows (temperature T, top-k 4: softmax of logprob / T
 over the 4 best). A tree engine whose drafter drafts against that ranking
 (tests/engine/adversarial_drafter.py: the second-best token as spine, the best
 as its sibling, a duplicate decoy, a token outside top-k, continuations, and
-zero-draft contexts) must sample that joint (chi-square goodness of fit), with
+contexts it drafts nothing at) must sample that joint (chi-square goodness of fit), with
 per-depth acceptance within 4 sigma of its exact expectation (the walk accepts
 exactly what it can), greedy requests beside it equal to plain greedy, and
-seeded requests that reproduce. 20,000 samples: fewer let a walk that reuses
-one noise vector per request pass (p ~ 0.08 at 2,000; 3e-8 at 20,000).
+seeded requests that reproduce. 2,000 samples, as many as Model Runner V2
+under Triton's interpreter samples in a few minutes: enough to fail a walk
+that reads the wrong row (the negative control below), not one that reuses
+one noise vector per request (p ~ 0.08 at 2,000; 3e-8 at 20,000), which
+seeded identity against plain decoding catches
+(tests/engine/test_seeded_tree_sampling.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ pytestmark = pytest.mark.engine
 
 TEMPERATURE = 0.8
 TOP_K = 4
-NUM_SAMPLES = 20000
+NUM_SAMPLES = 2000
+NUM_NEGATIVE_SAMPLES = 500
 NUM_TOKENS = 3
 NUM_REPRODUCED = 64
 DRAFTER = "tests.engine.adversarial_drafter.AdversarialTreeDrafter"
@@ -184,3 +189,29 @@ def test_sampled_tree_walk_samples_the_exact_distribution(reference):
     assert again == samples[:NUM_REPRODUCED]
     assert_greedy_identical(greedy_got, greedy_expected,
                             "greedy beside the adversarial sampled tree")
+
+
+def test_a_walk_that_reads_the_wrong_rows_fails_the_same_check(reference, monkeypatch):
+    """The negative control: every row reports its request's root sample (a
+    walk reading the wrong rows) must fail the goodness of fit above."""
+    from vllm.v1.worker.gpu.spec_decode.tree import rejection_sampler
+
+    walk = rejection_sampler.tree_walk
+
+    def wrong_row_walk(target_tokens, input_tokens, positions, cu_num_logits, *args):
+        starts = cu_num_logits[:-1].long()
+        rows_per_request = (cu_num_logits[1:] - cu_num_logits[:-1]).long()
+        roots = target_tokens[starts.repeat_interleave(rows_per_request)]
+        return walk(roots, input_tokens, positions, cu_num_logits, *args)
+
+    monkeypatch.setattr(rejection_sampler, "tree_walk", wrong_row_walk)
+    prompt, script, joint, _, _, _ = reference
+    AdversarialTreeDrafter.script = script
+    llm = engine({**host_drafter(DRAFTER), "speculative_token_tree": ADVERSARIAL_TREE})
+    try:
+        samples, _ = sample(llm, prompt, 0, NUM_NEGATIVE_SAMPLES)
+    finally:
+        shutdown(llm)
+    fit = goodness_of_fit(Counter(samples), joint)
+    print(f"negative control, the wrong rows' samples: {fit}")
+    assert fit.outside_support > 0 or fit.p_value < MIN_P_VALUE, str(fit)

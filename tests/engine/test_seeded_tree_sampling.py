@@ -46,7 +46,7 @@ NO_DRAFTS = {"logit_bias": {0: 0.0}}
 
 
 def batch(mixed: bool) -> list[tuple[SeededRequest, dict]]:
-    """32 requests: per 8, three of each sampling set-up, one greedy and one
+    """NUM_REQUESTS requests: per 8, three of each sampling set-up, one greedy and one
     unseeded (load only, never compared). With `mixed`, every eighth request
     is a zero-draft fallback inside the tree's batches."""
     from transformers import AutoTokenizer
