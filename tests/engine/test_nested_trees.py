@@ -264,9 +264,9 @@ def test_full_prefix_cache_hits_verify_the_tree_their_batch_size_drafts(referenc
     to one token past a block boundary: all but that token are cached."""
     from .identity import GreedyReference
 
-    block_size = 16
+    block_size = 32
     batch, expected, _ = references
-    picked = range(16, 20)
+    picked = range(28, 32)
     llm = make_llm(trained_pair()[0], speculative([(1, 256, 3)]),
                    enable_prefix_caching=True, block_size=block_size)
     try:
@@ -283,7 +283,7 @@ def test_full_prefix_cache_hits_verify_the_tree_their_batch_size_drafts(referenc
             "vllm:prefix_cache_hits")
     finally:
         shutdown(llm)
-    picked_expected = expected[16:20]
+    picked_expected = expected[28:32]
     assert_greedy_identical(first, picked_expected, "3-node schedule, cold prefix cache")
     resumed_expected = GreedyReference(
         [t[k:] for t, k in zip(picked_expected.tokens, appended)],

@@ -12,6 +12,8 @@ shares)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
 import pytest
 
 from .conftest import (
@@ -51,6 +53,12 @@ def engine(speculative: dict | None, **options):
 def test_tree_at_tensor_parallel_2(monkeypatch):
     # One NUMA node here: each CPU worker gets one core.
     monkeypatch.setitem(os.environ, "VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    # The workers run Model Runner V2 as this process does
+    # (model_runner_v2_site/sitecustomize.py).
+    site = Path(__file__).with_name("model_runner_v2_site")
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setitem(os.environ, "PYTHONPATH", os.pathsep.join(
+        filter(None, [str(site), str(root), os.environ.get("PYTHONPATH")])))
     _, assistant = trained_pair()
     prompts = text_prompts(NUM_PROMPTS)
     seeded_prompts = [p[-80:] for p in text_prompts(NUM_SEEDED)]
