@@ -29,6 +29,8 @@ def use_triton_interpreter() -> None:
     import triton.language.extra.libdevice as tldevice
 
     _accept_integer_masks()
+    _patch_language_once_per_launch()
+    _compile_options_as_served()
 
     import vllm.triton_utils as triton_utils
     from vllm.triton_utils import importing
@@ -84,6 +86,63 @@ def install() -> None:
     from tests.engine import host_drafter
 
     host_drafter.register()
+
+
+def _compile_options_as_served() -> None:
+    """The interpreter checks every 32-bit integer add, sub and mul for
+    overflow (in int64, with a device assert: half of a TRITON_ATTN step's
+    time here); a GPU checks only kernels compiled with debug=True, which
+    vLLM does not serve. Engine tests run the kernels as served; the kernels'
+    own tests (vLLM's tree, TRITON_INTERPRET=1 alone) keep the check."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
+def _patch_language_once_per_launch() -> None:
+    """The interpreter patches `triton.language` for the interpreter again at
+    every call of a `@triton.jit` helper inside a kernel (an
+    `inspect.getmembers` of the language modules each time: a third of a V2
+    tree step here). The patches depend only on which language modules the
+    function sees, and its launch has already made them for those modules, so
+    a helper call patches only modules its launch has not."""
+    import functools
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = interpreter._patch_lang
+    run_grid = interpreter.GridExecutor.__call__
+    # Per launch in progress: the language modules patched for it.
+    patched_per_launch: list[set[int]] = []
+
+    @functools.cache
+    def language_modules(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
+
+    def patch_lang_once(fn):
+        modules = language_modules(fn)
+        if patched_per_launch and modules <= patched_per_launch[-1]:
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)
+        if patched_per_launch:
+            patched_per_launch[-1].update(modules)
+        return scope
+
+    def run_grid_patching_once(self, *args, **kwargs):
+        patched_per_launch.append(set())
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            patched_per_launch.pop()
+
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = run_grid_patching_once
 
 
 def _accept_integer_masks() -> None:
