@@ -10,6 +10,17 @@ import pytest
 
 from tests.engine import model_runner_v2
 
+# The longest modules (CI's --durations), started first: pytest-xdist hands
+# whole modules (--dist loadfile) to its workers in collection order, and a
+# long one handed out last runs alone at the end.
+LONGEST_FIRST = (
+    "tests/engine/test_triton_tree_engine.py",
+    "tests/engine/test_serve.py",
+    "tests/engine/test_sampled_tree_walk.py",
+    "tests/engine/test_request_kinds.py",
+    "tests/engine/test_nested_trees.py",
+)
+
 # Report lines the xdist workers sent back (the controller runs no checks).
 WORKER_REPORT_LINES: list[list[str]] = []
 
@@ -17,6 +28,11 @@ WORKER_REPORT_LINES: list[list[str]] = []
 def pytest_configure(config):
     # Before any test module imports vLLM.
     model_runner_v2.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 def pytest_report_header(config):
