@@ -48,6 +48,21 @@ if [ -n "$in_tree_tests" ]; then
     --import-mode=append --rootdir=. -p no:cacheprovider -q $in_tree_tests)
 fi
 
+step "Running vLLM's own tests of the modules the stack changes, from the pinned release"
+# ci/vllm_own_tests.txt (node ids): the tests of the release's tree that pass
+# on the pristine CPU wheel here, of tests/v1/core/test_scheduler.py,
+# test_async_scheduler.py and test_scheduler_e2e.py, tests/v1/spec_decode,
+# tests/v1/sample, tests/v1/worker's V2 runner, input batch, attention, draft
+# token, gumbel, rejection and sampler-flag tests, tests/v1/attention's
+# backend selection, tests/v1/engine's engine core and output processor, and
+# tests/v1/metrics; each must pass with the stack.
+# ci/vllm_own_tests.py: the CPU platform, Triton's interpreter, an offline
+# hub cache of the configs they read (tests/fixtures/hf_hub).
+own_tests=$PWD/ci/vllm_own_tests.txt
+(cd build/vllm && "$python" -P -m pytest -p vllm_own_tests -p require_tests \
+  --import-mode=append --rootdir=. -p no:cacheprovider -q -n 2 \
+  --vllm-test-timeout 600 "@$own_tests")
+
 step "Running the project's tests (Model Runner V2, async scheduling)"
 # setup.cfg holds the pytest configuration (paths, markers). V2's kernels run
 # under Triton's interpreter (tests/engine/model_runner_v2.py): single-threaded
