@@ -236,7 +236,8 @@ def test_auto_fixes_a_schedule_at_start_up(references, modeled_profile, acceptan
         sizes = tree_sizes(llm)
     finally:
         shutdown(llm)
-    assert_greedy_identical(got, expected, f"nested trees by {acceptance and 'calibrated '}auto")
+    label = "calibrated auto" if acceptance else "auto"
+    assert_greedy_identical(got, expected, f"nested trees by {label}")
     logged_schedule = logged.schedule()
     print(f"auto (acceptance {acceptance}): profile over batch sizes "
           f"{logged.timed_batch_sizes()}, num_speculative_tokens_per_batch_size: "
