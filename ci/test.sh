@@ -67,6 +67,8 @@ step "Running the project's tests (Model Runner V2, async scheduling)"
 # setup.cfg holds the pytest configuration (paths, markers). V2's kernels run
 # under Triton's interpreter (tests/engine/model_runner_v2.py): single-threaded
 # Python, so two workers use both cores; a module's tests stay in one worker
-# (their engines and references are module-scoped).
-"$python" -m pytest -p require_tests -n 2 --dist loadfile --durations=20 "$@"
+# (their engines and references are module-scoped). Modules start in
+# collection order, longest first (tests/conftest.py), not by test count.
+"$python" -m pytest -p require_tests -n 2 --dist loadfile --no-loadscope-reorder \
+  --durations=20 "$@"
 step "Done"
