@@ -49,6 +49,9 @@ def skip_reason(report) -> str:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        # A pytest-xdist worker: the controller sees every report.
+        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None or exitstatus != 0:
         return

@@ -1,60 +1,74 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Session-wide: which model runner the engines run on, and a report of every
-tie-aware identity check of the run, with its tie flips
-(tests/engine/identity.py), so a CI log shows them even when green.
-
-`TREE_TEST_MODEL_RUNNER=v2 pytest` runs the tests marked `model_runner_v2`
-(runner-independent proofs, and proofs about V2 marked `only=True`) on vLLM's
-Model Runner V2 with async scheduling, as CUDA users run it
-(tests/engine/model_runner_v2.py); without it every other test runs on the
-V1 runner, the CPU build's default.
+"""Session-wide: the engines run on vLLM's Model Runner V2 with async
+scheduling, as CUDA users run it (tests/engine/model_runner_v2.py); and a
+report of every tie-aware identity check of the run, with its tie flips
+(tests/engine/identity.py), so a CI log shows them even when green, also
+when pytest-xdist runs the tests in worker processes.
 """
+
+import pytest
 
 from tests.engine import model_runner_v2
 
-RUNNER_V2_MARKER = "model_runner_v2"
+# The longest modules (CI's --durations), started first: pytest-xdist hands
+# whole modules (--dist loadfile) to its workers in collection order, and a
+# long one handed out last runs alone at the end.
+LONGEST_FIRST = (
+    "tests/engine/test_triton_tree_engine.py",
+    "tests/engine/test_serve.py",
+    "tests/engine/test_sampled_tree_walk.py",
+    "tests/engine/test_request_kinds.py",
+    "tests/engine/test_nested_trees.py",
+)
+
+# Report lines the xdist workers sent back (the controller runs no checks).
+WORKER_REPORT_LINES: list[list[str]] = []
 
 
 def pytest_configure(config):
-    if model_runner_v2.requested():
-        # Before any test module imports vLLM.
-        model_runner_v2.install()
-
-
-def runs_on_this_runner(item) -> bool:
-    """Every test runs on V1 but those marked `model_runner_v2(only=True)`
-    (proofs about V2 itself); on V2 the tests marked `model_runner_v2`."""
-    marker = item.get_closest_marker(RUNNER_V2_MARKER)
-    if model_runner_v2.requested():
-        return marker is not None
-    return marker is None or not marker.kwargs.get("only", False)
+    # Before any test module imports vLLM.
+    model_runner_v2.install()
 
 
 def pytest_collection_modifyitems(config, items):
-    deselected = [item for item in items if not runs_on_this_runner(item)]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if runs_on_this_runner(item)]
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 def pytest_report_header(config):
-    if model_runner_v2.requested():
-        return "model runner: V2 (Triton interpreter, async scheduling)"
-    return "model runner: V1"
+    return "model runner: V2 (Triton interpreter, async scheduling)"
+
+
+def report_lines() -> list[str]:
+    from tests.engine.identity import IDENTITY_REPORTS
+
+    lines = []
+    for report in IDENTITY_REPORTS:
+        lines.append(report.summary())
+        lines += [f"  tie flip: {flip}" for flip in report.tie_flips]
+    return lines
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["identity_report_lines"] = report_lines()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    WORKER_REPORT_LINES.append(node.workeroutput.get("identity_report_lines", []))
 
 
 def pytest_terminal_summary(terminalreporter):
-    from tests.engine.identity import IDENTITY_REPORTS
-
-    if not IDENTITY_REPORTS:
+    lines = report_lines() + [line for lines in WORKER_REPORT_LINES for line in lines]
+    checks = [line for line in lines if not line.startswith("  ")]
+    if not checks:
         return
-    runner = "Model Runner V2" if model_runner_v2.requested() else "Model Runner V1"
-    terminalreporter.section(f"greedy identity (tie-aware), {runner}")
-    for report in IDENTITY_REPORTS:
-        terminalreporter.write_line(report.summary())
-        for flip in report.tie_flips:
-            terminalreporter.write_line(f"  tie flip: {flip}")
-    total = sum(len(r.tie_flips) for r in IDENTITY_REPORTS)
+    terminalreporter.section("greedy identity (tie-aware), Model Runner V2")
+    for line in lines:
+        terminalreporter.write_line(line)
+    num_flips = len(lines) - len(checks)
     terminalreporter.write_line(
-        f"{len(IDENTITY_REPORTS)} identity checks, {total} tie flips in all"
+        f"{len(checks)} identity checks, {num_flips} tie flips in all"
     )

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A tree drafter that drafts against the target's own ranking, for the
-sampled tree walk's exact distribution test, plugged in through vLLM's
-`custom_class` proposer hook.
+sampled tree walk's exact distribution test, plugged in as a host drafter
+(tests/engine/host_drafter.py).
 
 It knows the target's best tokens at some contexts (from a plain engine) and
 drafts, for ADVERSARIAL_TREE: the second-best token as the spine with the best
@@ -9,8 +9,9 @@ as its sibling, a duplicate of the best (a decoy that must count once), a
 token outside the top-k (never sampled), and the top-ranked continuations of
 the spine and of the best token. Where it knows the context but not the
 continuations it drafts the first level only (a breadth-first prefix); where
-the script says so, or the context is unknown, it drafts nothing (zero-draft
-rows next to tree rows).
+the script says so, or the context is unknown, it drafts nothing (Model Runner
+V2 verifies those nodes as <pad>, tests/engine/host_drafter.py: rejected at
+the root, as if undrafted).
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 
 A tree-mode engine samples the token at output position i of a request with
 seed s as argmax_x(logprob(x) / T + g(x)) over the top-k / top-p support, with
-Gumbel noise g that is a function of (s, i, x) alone: on the V1 runner the
-stack's SplitMix64 keys (vllm/v1/sample/ops/position_keyed.py), on Model
-Runner V2 V2's own murmur3 keys of (s, input position of the sampled row, x)
-(vllm/v1/worker/gpu/sample/gumbel.py), which plain V2 decoding draws too.
+Gumbel noise g that is a function of (s, i, x) alone: Model Runner V2's
+murmur3 keys of (s, input position of the sampled row, x)
+(vllm/v1/worker/gpu/sample/gumbel.py), which plain decoding draws too.
 Two runs of the same seeded request
 must therefore emit the same tokens whatever the tree, the drafter, the batch
 or a preemption, up to fp32 noise in the logits. At the first difference the
@@ -25,31 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import model_runner_v2
 from .identity import TIE_MARGIN_NATS, IdentityReport, compare_tokens
-
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def gumbel_noise(seed: int, position: int, vocab_size: int) -> np.ndarray:
-    """The engine's noise for every token at output position `position` of a
-    request with seed `seed`, as the CPU kernel draws it."""
-    from vllm.v1.sample.ops.position_keyed import position_keys, request_noise_seed
-
-    key = position_keys(
-        np.array([request_noise_seed(seed)], dtype=np.uint64), np.array([position])
-    ).view(np.uint64)
-    counters = np.arange(1, vocab_size + 1, dtype=np.uint64) * _GAMMA
-    bits = _splitmix64(_splitmix64(key) + counters) >> np.uint64(11)
-    u = (bits.astype(np.float64) + 0.5) * 2.0**-53
-    return -np.log(-np.log(u))
-
 
 _MASK_32 = np.uint64(0xFFFFFFFF)
 
@@ -110,13 +85,10 @@ class SeededRequest:
         # and always the best one.
         before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
         keep[order[:top_k][before < self.top_p]] = True
-        if model_runner_v2.requested():
-            # V2 keys the row that samples output position i by its input
-            # position, the prompt's length plus i - 1.
-            input_position = len(self.prompt_token_ids) + position - 1
-            noise = gumbel_noise_v2(self.seed, input_position, len(scaled))
-        else:
-            noise = gumbel_noise(self.seed, position, len(scaled))
+        # V2 keys the row that samples output position i by its input
+        # position, the prompt's length plus i - 1.
+        input_position = len(self.prompt_token_ids) + position - 1
+        noise = gumbel_noise_v2(self.seed, input_position, len(scaled))
         return np.where(keep, scaled + noise, -np.inf)
 
 

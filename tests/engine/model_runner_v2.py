@@ -1,30 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """Test-only: vLLM's Model Runner V2 on the CPU build, as CUDA users run it.
 
-The CPU build disables Triton (its registry wheel has no CPU backend) and so
-runs the V1 model runner. Triton's interpreter runs V2's kernels on CPU
-tensors: with it installed before vLLM is imported, the CPU worker builds
-`vllm/v1/worker/cpu/model_runner.py` (a V2 subclass) with CPU_ATTN.
-`install()` also keeps async scheduling on (the CPU platform turns it off for
-every configuration; on CUDA it is the default), routes top-k/top-p to
-upstream's torch path (the Triton kernel's `row_id.to` fails in the
-interpreter), lets the interpreter take integer masks as a GPU does, and
-lets the tests' `custom_class` drafters, V1 proposers that
-draft on the host, draft on V2, which has no such speculator. Call it before anything imports vLLM, in every process that
-runs an engine (`sitecustomize.py` beside this file does it for servers).
+x86 CPUs run V2 (`vllm/v1/worker/cpu/model_runner.py`) only with triton-cpu,
+which no registry serves. Triton's interpreter runs V2's kernels on CPU
+tensors instead: with it installed before vLLM is imported, the CPU worker
+builds V2 with CPU_ATTN. `install()` also keeps async scheduling on (the CPU
+platform turns it off for every configuration; on CUDA it is the default),
+routes top-k/top-p to upstream's torch path, lets the interpreter take
+integer masks as a GPU does, and registers the
+tests' host drafters (tests/engine/host_drafter.py). Call it before anything
+imports vLLM, in every process that runs an engine (`sitecustomize.py` beside
+this file does it for servers).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-
-ENV_FLAG = "TREE_TEST_MODEL_RUNNER"
-
-
-def requested() -> bool:
-    """Whether this process runs its engines on Model Runner V2."""
-    return os.environ.get(ENV_FLAG) == "v2"
 
 
 def use_triton_interpreter() -> None:
@@ -37,6 +29,8 @@ def use_triton_interpreter() -> None:
     import triton.language.extra.libdevice as tldevice
 
     _accept_integer_masks()
+    _patch_language_once_per_launch()
+    _compile_options_as_served()
 
     import vllm.triton_utils as triton_utils
     from vllm.triton_utils import importing
@@ -67,12 +61,12 @@ def select_triton_attention(setattr=setattr) -> None:
 
 
 def install() -> None:
-    os.environ[ENV_FLAG] = "v2"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     use_triton_interpreter()
 
     from vllm.v1.sample.ops import topk_topp_sampler
 
+    # Upstream's torch top-k/top-p: the Triton kernel's `row_id.to` fails in
+    # the interpreter.
     topk_topp_sampler.HAS_TRITON = False
 
     from vllm.platforms import cpu
@@ -84,83 +78,71 @@ def install() -> None:
         check_and_update_config(cls, vllm_config)
         vllm_config.scheduler_config.async_scheduling = async_scheduling
         # For the logs of servers this process starts (tests/engine/test_serve.py).
-        print(f"{ENV_FLAG}=v2: async_scheduling={async_scheduling}", file=sys.stderr,
-              flush=True)
+        print(f"tests/engine/model_runner_v2.py: async_scheduling={async_scheduling}",
+              file=sys.stderr, flush=True)
 
     cpu.CpuPlatform.check_and_update_config = classmethod(keep_async_scheduling)
-    _install_custom_class_speculator()
+
+    from tests.engine import host_drafter
+
+    host_drafter.register()
 
 
-def _install_custom_class_speculator() -> None:
-    """Model Runner V2 has no `custom_class` speculator: the scripted and
-    adversarial drafters (V1 proposers that draft on the host from each
-    request's token ids) draft through this one."""
-    import torch
+def _compile_options_as_served() -> None:
+    """The interpreter checks every 32-bit integer add, sub and mul for
+    overflow (in int64, with a device assert: half of a TRITON_ATTN step's
+    time here); a GPU checks only kernels compiled with debug=True, which
+    vLLM does not serve. Engine tests run the kernels as served; the kernels'
+    own tests (vLLM's tree, TRITON_INTERPRET=1 alone) keep the check."""
+    import dataclasses
 
-    from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
-    from vllm.v1.worker.gpu import model_runner
-    from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+    from triton.runtime import interpreter
 
-    class HostProposerSpeculator(BaseSpeculator):
-        supports_mm_inputs = False
-        draft_logits = None
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
-        def __init__(self, vllm_config, device, req_states) -> None:
-            self.proposer = create_custom_proposer(vllm_config)
-            self.num_speculative_steps = vllm_config.num_speculative_tokens
-            self.device = device
-            self.req_states = req_states
 
-        def use_token_trees(self, nested_trees) -> None:
-            pass  # It drafts the whole tree it is configured with.
+def _patch_language_once_per_launch() -> None:
+    """The interpreter patches `triton.language` for the interpreter again at
+    every call of a `@triton.jit` helper inside a kernel (an
+    `inspect.getmembers` of the language modules each time: a third of a V2
+    tree step here). The patches depend only on which language modules the
+    function sees, and its launch has already made them for those modules, so
+    a helper call patches only modules its launch has not."""
+    import functools
+    import inspect
 
-        def init_cudagraph_manager(self, cudagraph_mode) -> None:
-            pass
+    import triton.language as tl
+    from triton.runtime import interpreter
 
-        def capture(self) -> None:
-            pass
+    patch_lang = interpreter._patch_lang
+    run_grid = interpreter.GridExecutor.__call__
+    # Per launch in progress: the language modules patched for it.
+    patched_per_launch: list[set[int]] = []
 
-        def propose(self, input_batch, attn_metadata, slot_mappings,
-                    last_hidden_states, aux_hidden_states, num_sampled, num_rejected,
-                    last_sampled, next_prefill_tokens, temperature, seeds,
-                    dp_sync_state=None, dummy_run=False, skip_attn_for_dummy_run=False,
-                    mm_inputs=None, is_profile=False, num_speculative_tokens=None):
-            drafts = torch.full((input_batch.num_reqs, self.num_speculative_steps), -1,
-                                dtype=torch.int64, device=self.device)
-            if dummy_run:
-                return drafts
-            # Host reads: test-only, as the V1 proposers it hosts.
-            rows = input_batch.idx_mapping
-            proposed = self.proposer.propose(
-                [[0] if n > 0 else [] for n in num_sampled.tolist()],
-                self.req_states.total_len.gpu[rows].cpu().numpy(),
-                self.req_states.all_token_ids.gpu[rows].cpu().numpy(),
-            )
-            for row, tokens in enumerate(proposed):
-                drafts[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-            return drafts
+    @functools.cache
+    def language_modules(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
 
-    from vllm.config import VllmConfig
+    def patch_lang_once(fn):
+        modules = language_modules(fn)
+        if patched_per_launch and modules <= patched_per_launch[-1]:
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)
+        if patched_per_launch:
+            patched_per_launch[-1].update(modules)
+        return scope
 
-    unsupported_features = VllmConfig._get_v2_model_runner_unsupported_features
+    def run_grid_patching_once(self, *args, **kwargs):
+        patched_per_launch.append(set())
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            patched_per_launch.pop()
 
-    def without_custom_class(config) -> list[str]:
-        return [
-            feature
-            for feature in unsupported_features(config)
-            if "'custom_class'" not in feature
-        ]
-
-    VllmConfig._get_v2_model_runner_unsupported_features = without_custom_class
-
-    init_speculator = model_runner.init_speculator
-
-    def with_custom_class(vllm_config, device, req_states):
-        if vllm_config.speculative_config.method == "custom_class":
-            return HostProposerSpeculator(vllm_config, device, req_states)
-        return init_speculator(vllm_config, device, req_states)
-
-    model_runner.init_speculator = with_custom_class
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = run_grid_patching_once
 
 
 def _accept_integer_masks() -> None:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """A tree drafter scripted from the plain-greedy reference, plugged into vLLM
-through its own `custom_class` proposer hook (`speculative_config.model =
-"tests.engine.scripted_drafter.ScriptedTreeDrafter"`).
+as a host drafter (tests/engine/host_drafter.py: `host_drafter(
+"tests.engine.scripted_drafter.ScriptedTreeDrafter")` is its speculative
+config).
 
 Knowing the tokens plain greedy decoding will produce, it decides per step and
 per request which tree nodes carry them, so every path of the tree walk and of

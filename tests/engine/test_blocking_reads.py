@@ -27,7 +27,7 @@ from .identity import assert_greedy_identical
 from .model_runner_v2 import select_triton_attention
 from .trained_pair import text_prompts, trained_pair
 
-pytestmark = [pytest.mark.engine, pytest.mark.model_runner_v2(only=True)]
+pytestmark = pytest.mark.engine
 
 NUM_PROMPTS = 2
 MAX_TOKENS = 10

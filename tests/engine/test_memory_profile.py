@@ -1,14 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The start-up memory profile, which sizes the KV cache, verifies the
 largest sampled tree step the scheduler can produce: min(max_num_seqs x
-(1 + nodes), max_num_batched_tokens) rows of random requests, on both
-model runners."""
+(1 + nodes), max_num_batched_tokens) rows of random requests."""
 
 from __future__ import annotations
 
 import pytest
 
-from . import model_runner_v2
 from .conftest import make_llm, shutdown
 from .trained_pair import trained_pair
 
@@ -19,34 +17,22 @@ NUM_TREE_NODES = 12  # K=3, W=4: three spine nodes and three siblings each
 
 def profiled_verify_rows(monkeypatch) -> list[tuple[int, bool]]:
     """(rows, sampled) of each tree verify the engine runs."""
+    from vllm.v1.worker.gpu.spec_decode.tree import rejection_sampler
+
     calls = []
-    if model_runner_v2.requested():
-        from vllm.v1.worker.gpu.spec_decode.tree import rejection_sampler
+    sampler_cls = rejection_sampler.TreeRejectionSampler
+    verify = sampler_cls.__call__
 
-        sampler_cls = rejection_sampler.TreeRejectionSampler
-        verify = sampler_cls.__call__
-
-        def spy(self, logits, input_batch, *args, **kwargs):
-            temperature = self.sampler.sampling_states.temperature.np
-            sampled = bool((temperature[input_batch.idx_mapping_np] > 0).all())
-            calls.append((logits.shape[0], sampled))
-            return verify(self, logits, input_batch, *args, **kwargs)
-    else:
-        from vllm.v1.sample import rejection_sampler
-
-        sampler_cls = rejection_sampler.RejectionSampler
-        verify = sampler_cls.__call__
-
-        def spy(self, metadata, draft_probs, logits, sampling_metadata):
-            if metadata.tree is not None:
-                calls.append((logits.shape[0], not sampling_metadata.all_greedy))
-            return verify(self, metadata, draft_probs, logits, sampling_metadata)
+    def spy(self, logits, input_batch, *args, **kwargs):
+        temperature = self.sampler.sampling_states.temperature.np
+        sampled = bool((temperature[input_batch.idx_mapping_np] > 0).all())
+        calls.append((logits.shape[0], sampled))
+        return verify(self, logits, input_batch, *args, **kwargs)
 
     monkeypatch.setattr(sampler_cls, "__call__", spy)
     return calls
 
 
-@pytest.mark.model_runner_v2
 @pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens, expected_rows",
                          [(4, 2048, 4 * (1 + NUM_TREE_NODES)), (64, 600, 600)])
 def test_the_profile_verifies_the_largest_sampled_tree_step(

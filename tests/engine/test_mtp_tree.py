@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from . import model_runner_v2
 from .conftest import (
     accepted_tokens_per_node,
     greedy_generate,
@@ -26,10 +25,10 @@ from .trained_pair import perturbed_draft_model, text_prompts, trained_pair
 pytestmark = pytest.mark.engine
 
 # Model Runner V2 runs its kernels in Triton's interpreter here, about ten
-# times slower per step: fewer prompts, and the batch of many requests only.
-NUM_PROMPTS = 16 if model_runner_v2.requested() else 64
+# times slower per step: few prompts, and the batch of many requests only.
+NUM_PROMPTS = 16
 MAX_TOKENS = 32
-BATCH_SIZES = [16] if model_runner_v2.requested() else [1, 16]
+BATCH_SIZES = [16]
 
 
 def print_acceptance(label: str, counters: dict) -> None:
@@ -73,7 +72,6 @@ def mtp_chain(plain_greedy):
     return chain, counters
 
 
-@pytest.mark.model_runner_v2
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, mtp_chain,
                                                          batch_size):
@@ -94,7 +92,6 @@ def test_mtp_leaf_sibling_tree_is_identical_and_rescues(plain_greedy, mtp_chain,
     assert tree_counters["num_draft_tokens"] == 12 * tree_counters["num_drafts"]
 
 
-@pytest.mark.model_runner_v2
 def test_chain_shaped_tree_with_mtp_matches_chain_mode(plain_greedy, mtp_chain):
     prompts, expected = plain_greedy
     chain, chain_counters = mtp_chain
@@ -144,14 +141,9 @@ def accepted_below_runner_ups(per_node: dict[tuple[int, ...], int]) -> int:
     return sum(count for path, count in per_node.items() if any(path[:-1]))
 
 
-TREES = (
-    {"12": CONTINUATION_12, "planned_32": "planned_32"}
-    if model_runner_v2.requested()
-    else {"12": CONTINUATION_12, "32": CONTINUATION_32, "planned_16": "planned_16"}
-)
+TREES = {"12": CONTINUATION_12, "planned_32": "planned_32"}
 
 
-@pytest.mark.model_runner_v2
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 @pytest.mark.parametrize("tree", list(TREES.values()), ids=list(TREES))
 def test_mtp_continuation_tree_is_identical_and_uses_its_branches(
@@ -177,7 +169,6 @@ def test_mtp_continuation_tree_is_identical_and_uses_its_branches(
     assert sum(per_node.values()) == counters["num_accepted_tokens"]
 
 
-@pytest.mark.model_runner_v2
 def test_draft_model_leaf_sibling_tree_is_identical_and_rescues(plain_greedy):
     """A draft model (the target with noise on its weights) drafts the spine,
     one draft forward per depth, and its runner-ups as leaf siblings."""
@@ -198,7 +189,6 @@ def test_draft_model_leaf_sibling_tree_is_identical_and_rescues(plain_greedy):
     assert sum(counters["num_rescued_tokens_per_pos"]) > 0, counters
 
 
-@pytest.mark.model_runner_v2
 def test_continuation_tree_is_refused_by_a_draft_model():
     """A drafter that writes its own KV drafts leaf-sibling trees only, and
     says at start-up which drafters draft continuation branches."""

@@ -2,21 +2,20 @@
 """Tree sizes that follow the load: with num_speculative_tokens_per_batch_size
 in tree mode, each step drafts and verifies the n likeliest nodes of the
 configured tree for its batch size (n = 0: no drafts); with "auto", the
-schedule the engine fixed from its start-up profile and logged, which pins to
-the same choices. Requests with
+schedule the engine fixed from its start-up profile (of modeled step times
+here, so that no verdict depends on this machine's clock) and logged, which
+pins to the same choices. Requests with
 max_tokens 8 to 39 finish one after another, so the batch shrinks from 32 to
 1 and n changes inside every request. Greedy output must stay plain greedy
 decoding (tie-aware, tests/engine/identity.py) and seeded sampled output the
 text those requests give decoded without drafts
-(tests/engine/keyed_sampling.py). On Model Runner V2 the schedule's trees are
-verified with async scheduling, each step's output naming the tree its drafts
-came from."""
+(tests/engine/keyed_sampling.py). The schedule's trees are verified with
+async scheduling, each step's output naming the tree its drafts came from."""
 
 from __future__ import annotations
 
 import pytest
 
-from . import model_runner_v2
 from .conftest import (
     greedy_generate,
     make_llm,
@@ -27,7 +26,7 @@ from .conftest import (
 from .identity import assert_greedy_identical
 from .keyed_sampling import ScoreOracle, SeededRequest, assert_seeded_identical
 from .test_mtp_tree import CONTINUATION_12
-from .test_seeded_tree_sampling import NO_DRAFTS, SAMPLINGS
+from .test_seeded_tree_sampling import SAMPLINGS
 from .trained_pair import text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
@@ -57,7 +56,7 @@ def speculative(schedule, acceptance: list[float] | None = None) -> dict:
 
 
 class LoggedSchedule:
-    """The schedule line and the profile's seconds an "auto" engine logs."""
+    """The schedule line and the step-time table an "auto" engine logs."""
 
     def __init__(self):
         import logging
@@ -81,9 +80,6 @@ class LoggedSchedule:
                    if line.startswith("num_speculative_tokens_per_batch_size: ")]
         return ast.literal_eval(line.split(": ", 1)[1])
 
-    def profile_seconds(self) -> float:
-        return float(self._profile_line().split()[4])
-
     def timed_batch_sizes(self) -> list[int]:
         """The batch sizes (rows) of the step-time table the profile logged."""
         _, _, *rows = self._profile_line().splitlines()
@@ -97,7 +93,9 @@ class LoggedSchedule:
 
 def scheduled_node_counts(llm) -> list[int]:
     """The node count the engine's scheduler drafts at each batch size."""
-    return list(llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup)
+    return list(
+        llm.llm_engine.engine_core.engine_core.scheduler.tree_sizes.num_nodes_by_batch_size
+    )
 
 
 def prompts() -> list[list[int]]:
@@ -152,37 +150,46 @@ def seeded(batch: list[list[int]]) -> list[SeededRequest]:
 def references():
     """Plain greedy decoding (with its top-2 logprobs) and the seeded
     requests decoded without drafts: by Model Runner V2 without speculation
-    (whose keys a V2 tree shares), or by a V1 tree-mode engine."""
+    (whose keys a tree shares)."""
     batch = prompts()
     llm = make_llm(trained_pair()[0])
     try:
         expected = plain_greedy_reference(
             llm, batch, [max_tokens(i) for i in range(len(batch))])
-        if model_runner_v2.requested():
-            sampled = generate(llm, seeded(batch))
+        sampled = generate(llm, seeded(batch))
     finally:
         shutdown(llm)
-    if not model_runner_v2.requested():
-        llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
-        try:
-            sampled = generate(llm, seeded(batch), **NO_DRAFTS)
-            assert spec_decode_counters(llm)["num_draft_tokens"] == 0
-        finally:
-            shutdown(llm)
     return batch, expected, sampled
 
 
-@pytest.mark.model_runner_v2
-@pytest.mark.parametrize("sizing", ["schedule", "auto", "auto calibrated"])
-def test_tree_size_follows_the_load(references, sizing):
+def modeled_step_seconds(batch_size: int, num_nodes: int) -> float:
+    """The step time the "auto" profile records here instead of the clock's:
+    a fixed cost plus one per row verified."""
+    return 0.010 + 0.0005 * batch_size * (1 + num_nodes)
+
+
+@pytest.fixture
+def modeled_profile(monkeypatch):
+    """An "auto" start-up profile whose table is modeled_step_seconds: every
+    cell timed once, whatever this machine's clock says, so the schedule it
+    fixes is the same on every run."""
+    from vllm.v1.engine import core
+    from vllm.v1.spec_decode.tree_sizing import StepTimeTable
+
+    monkeypatch.setattr(core, "PROFILE_SECONDS", float("inf"))
+    monkeypatch.setattr(core, "PROFILE_MAX_ROUNDS", 1)
+    monkeypatch.setattr(core, "PROFILE_MAX_CELL_STEPS", 1)
+    add = StepTimeTable.add
+    monkeypatch.setattr(
+        StepTimeTable, "add",
+        lambda table, batch_size, num_nodes, seconds: add(
+            table, batch_size, num_nodes, modeled_step_seconds(batch_size, num_nodes)))
+
+
+def test_tree_size_follows_the_load(references):
     batch, expected, sampled_expected = references
-    schedule = SCHEDULE if sizing == "schedule" else "auto"
-    acceptance = SPINE_ACCEPTED if sizing == "auto calibrated" else None
-    with LoggedSchedule() as logged:
-        llm = make_llm(trained_pair()[0], speculative(schedule, acceptance),
-                       max_logprobs=-1)
+    llm = make_llm(trained_pair()[0], speculative(SCHEDULE), max_logprobs=-1)
     try:
-        chosen = scheduled_node_counts(llm)
         got = generate(llm, greedy(batch))
         greedy_counters = spec_decode_counters(llm)
         greedy_sizes = tree_sizes(llm)
@@ -190,50 +197,68 @@ def test_tree_size_follows_the_load(references, sizing):
         sizes = tree_sizes(llm)
         oracle = ScoreOracle(llm)
         assert_seeded_identical(sampled, sampled_expected, seeded(batch), oracle,
-                                f"nested trees by {sizing}, seeded")
+                                "nested trees by schedule, seeded")
     finally:
         shutdown(llm)
-    assert_greedy_identical(got, expected, f"nested trees by {sizing}, greedy")
+    assert_greedy_identical(got, expected, "nested trees by schedule, greedy")
     drafted, drafts = greedy_counters["num_draft_tokens"], greedy_counters["num_drafts"]
-    print(f"nested trees by {sizing}: {drafted} draft tokens in {drafts} drafts, "
+    print(f"nested trees by schedule: {drafted} draft tokens in {drafts} drafts, "
           f"accepted {greedy_counters['num_accepted_tokens']}, rescued per depth "
-          f"{greedy_counters['num_rescued_tokens_per_pos']}")
-    print(f"nested trees by {sizing}: steps per drafted node count {greedy_sizes} "
-          f"greedy, {sizes} with the seeded requests after them")
-    if sizing == "schedule":
-        # Trees of several sizes were verified and drafts accepted; with
-        # the schedule's long runs of the whole tree, runner-ups too.
-        assert 1 < drafted / drafts < 12
-        assert greedy_counters["num_accepted_tokens"] > 0
-        assert set(greedy_sizes) == {0, 3, 5, 12}
-        assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
-        return
-    # "auto": which schedule the profile fixes depends on the step times it
-    # measured on this machine, so nothing here asserts the choice (nor how
-    # long the profile took): the schedule-from-a-table tests of patch 0022
-    # do, on given tables. What holds whatever was timed: the logged
-    # schedule has at most 4 node counts, every step drafted one of them,
-    # identity held above, and pinned, the schedule drafts what "auto" chose
-    # at every batch size.
+          f"{greedy_counters['num_rescued_tokens_per_pos']}; steps per drafted node "
+          f"count {greedy_sizes} greedy, {sizes} with the seeded requests after them")
+    # Trees of several sizes were verified and drafts accepted; with the
+    # schedule's long runs of the whole tree, runner-ups too.
+    assert 1 < drafted / drafts < 12
+    assert greedy_counters["num_accepted_tokens"] > 0
+    assert set(greedy_sizes) == {0, 3, 5, 12}
+    assert sum(greedy_counters["num_rescued_tokens_per_pos"]) > 0
+
+
+@pytest.mark.parametrize("acceptance", [None, SPINE_ACCEPTED],
+                         ids=["auto", "auto calibrated"])
+def test_auto_fixes_a_schedule_at_start_up(references, modeled_profile, acceptance):
+    """"auto" times each node count at each batch size on synthetic requests
+    (here: records modeled_step_seconds for each), fixes a schedule, logs it
+    as a literal and drafts it; pinned, that literal drafts the same. The
+    profile adds requests whose prompt is cached up to its last token, which
+    vLLM would pad to num_speculative_tokens placeholder drafts: under a
+    pinned node count the step must verify that count's tree instead."""
+    batch, expected, _ = references
+    batch = batch[:8]
+    expected = expected[:8]
+    with LoggedSchedule() as logged:
+        llm = make_llm(trained_pair()[0], speculative("auto", acceptance),
+                       max_logprobs=-1, max_num_seqs=8)
+    try:
+        chosen = scheduled_node_counts(llm)
+        got = generate(llm, greedy(batch))
+        counters = spec_decode_counters(llm)
+        sizes = tree_sizes(llm)
+    finally:
+        shutdown(llm)
+    label = "calibrated auto" if acceptance else "auto"
+    assert_greedy_identical(got, expected, f"nested trees by {label}")
     logged_schedule = logged.schedule()
-    print(f"auto: profile {logged.profile_seconds():.1f} s over batch sizes "
-          f"{logged.timed_batch_sizes()}, "
-          f"num_speculative_tokens_per_batch_size: {logged_schedule}")
+    print(f"auto (acceptance {acceptance}): profile over batch sizes "
+          f"{logged.timed_batch_sizes()}, num_speculative_tokens_per_batch_size: "
+          f"{logged_schedule}; steps per drafted node count {sizes}, accepted "
+          f"{counters.get('num_accepted_tokens', 0)}")
+    assert logged.timed_batch_sizes() == [1, 2, 4, 8]
     assert len({n for _, _, n in logged_schedule}) <= 4
-    assert set(greedy_sizes) <= {n for _, _, n in logged_schedule}
-    if acceptance and any(n > 0 for n in greedy_sizes):
-        # Started from a spine accepted 95 to 99 % of the time, whatever
-        # "auto" drafted was accepted: identity above held through accepts,
-        # not only through rejections.
-        assert greedy_counters["num_accepted_tokens"] > 0
-    pinned = make_llm(trained_pair()[0], speculative(logged_schedule))
+    assert set(sizes) <= {n for _, _, n in logged_schedule}
+    if acceptance is not None:
+        # From a spine accepted 95 to 99 % of the time, with rows this cheap,
+        # the schedule drafts at every batch size and the drafts are accepted:
+        # identity above held through accepts, not only through rejections.
+        assert all(n > 0 for _, _, n in logged_schedule)
+        assert counters["num_accepted_tokens"] > 0
+    pinned = make_llm(trained_pair()[0], speculative(logged_schedule), max_num_seqs=8)
     try:
         assert scheduled_node_counts(pinned) == chosen
     finally:
         shutdown(pinned)
 
 
-@pytest.mark.model_runner_v2
 def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
     batch, expected, _ = references
     llm = make_llm(trained_pair()[0], speculative([(1, 256, 0)]))
@@ -244,7 +269,6 @@ def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
         shutdown(llm)
     assert_greedy_identical(got, expected, "nested trees, schedule of 0 nodes")
     assert counters.get("num_draft_tokens", 0) == 0
-
 
 
 def test_requests_reach_max_model_len_with_nested_trees_of_several_sizes():

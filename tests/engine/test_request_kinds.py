@@ -22,7 +22,7 @@ from collections import Counter
 
 import pytest
 
-from . import model_runner_v2
+from .host_drafter import host_drafter
 from .conftest import make_llm, shutdown, spec_decode_counters
 from .identity import GreedyReference, StepTop2, assert_greedy_identical
 from .request_kinds import (
@@ -38,13 +38,13 @@ from .request_kinds import (
 from .scripted_drafter import DraftScript, ScriptedTreeDrafter
 from .trained_pair import text_prompts, trained_pair
 
-pytestmark = [pytest.mark.engine, pytest.mark.model_runner_v2]
+pytestmark = pytest.mark.engine
 
-# Model Runner V2 runs its kernels in Triton's interpreter here: fewer prompts.
-NUM_PROMPTS = 8 if model_runner_v2.requested() else 16
+# Model Runner V2 runs its kernels in Triton's interpreter here: few prompts.
+NUM_PROMPTS = 8
 # Prompts that end 1, 2, ... tokens before max_model_len: at least a step's.
-NUM_LONG = 4 if model_runner_v2.requested() else 8
-NUM_N2 = 4 if model_runner_v2.requested() else 8
+NUM_LONG = 4
+NUM_N2 = 4
 MAX_TOKENS = 24
 NUM_LOGPROBS = 5
 NUM_PROMPT_LOGPROBS = 3
@@ -174,7 +174,7 @@ def runs() -> dict:
     finally:
         shutdown(llm)
     for name, speculative in (("tree", mtp_tree()),
-                              ("scripted", {"model": DRAFTER, **SCRIPTED_TREE})):
+                              ("scripted", {**host_drafter(DRAFTER), **SCRIPTED_TREE})):
         ScriptedTreeDrafter.script = requests.script
         llm = make_llm(target, speculative,
                        structured_outputs_config=STRUCTURED_OUTPUTS_CONFIG)

@@ -7,11 +7,16 @@ three sampled tokens follows (temperature T, top-k 4: softmax of logprob / T
 over the 4 best). A tree engine whose drafter drafts against that ranking
 (tests/engine/adversarial_drafter.py: the second-best token as spine, the best
 as its sibling, a duplicate decoy, a token outside top-k, continuations, and
-zero-draft contexts) must sample that joint (chi-square goodness of fit), with
+contexts it drafts nothing at) must sample that joint (chi-square goodness of fit), with
 per-depth acceptance within 4 sigma of its exact expectation (the walk accepts
 exactly what it can), greedy requests beside it equal to plain greedy, and
-seeded requests that reproduce. 20,000 samples: fewer let a walk that reuses
-one noise vector per request pass (p ~ 0.08 at 2,000; 3e-8 at 20,000).
+seeded requests that reproduce. 384 samples: Model Runner V2 under
+Triton's interpreter samples about 2 per second (every verify row runs the
+Gumbel kernel), and a walk that reads the wrong rows fails at 128 (the
+negative control below: p ~ 1e-19 at 192). A walk that reuses one noise
+vector per request needs tens of thousands (p ~ 0.08 at 2,000); seeded
+identity against plain decoding catches it
+(tests/engine/test_seeded_tree_sampling.py).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections import Counter
 import pytest
 
 from .adversarial_drafter import ADVERSARIAL_TREE, AdversarialTreeDrafter, RankingScript
+from .host_drafter import host_drafter
 from .conftest import make_llm, plain_greedy_reference, shutdown, spec_decode_counters
 from .distribution import goodness_of_fit
 from .identity import assert_greedy_identical
@@ -31,7 +37,8 @@ pytestmark = pytest.mark.engine
 
 TEMPERATURE = 0.8
 TOP_K = 4
-NUM_SAMPLES = 20000
+NUM_SAMPLES = 384
+NUM_NEGATIVE_SAMPLES = 128
 NUM_TOKENS = 3
 NUM_REPRODUCED = 64
 DRAFTER = "tests.engine.adversarial_drafter.AdversarialTreeDrafter"
@@ -156,7 +163,7 @@ def sample(llm, prompt, first_seed: int, count: int, greedy_prompts=()):
 def test_sampled_tree_walk_samples_the_exact_distribution(reference):
     prompt, script, joint, (depth_1, depth_2), greedy_prompts, greedy_expected = reference
     AdversarialTreeDrafter.script = script
-    llm = engine({"model": DRAFTER, "speculative_token_tree": ADVERSARIAL_TREE})
+    llm = engine({**host_drafter(DRAFTER), "speculative_token_tree": ADVERSARIAL_TREE})
     try:
         samples, greedy_got = sample(llm, prompt, 0, NUM_SAMPLES, greedy_prompts)
         counters = spec_decode_counters(llm)
@@ -183,3 +190,29 @@ def test_sampled_tree_walk_samples_the_exact_distribution(reference):
     assert again == samples[:NUM_REPRODUCED]
     assert_greedy_identical(greedy_got, greedy_expected,
                             "greedy beside the adversarial sampled tree")
+
+
+def test_a_walk_that_reads_the_wrong_rows_fails_the_same_check(reference, monkeypatch):
+    """The negative control: every row reports its request's root sample (a
+    walk reading the wrong rows) must fail the goodness of fit above."""
+    from vllm.v1.worker.gpu.spec_decode.tree import rejection_sampler
+
+    walk = rejection_sampler.tree_walk
+
+    def wrong_row_walk(target_tokens, input_tokens, positions, cu_num_logits, *args):
+        starts = cu_num_logits[:-1].long()
+        rows_per_request = (cu_num_logits[1:] - cu_num_logits[:-1]).long()
+        roots = target_tokens[starts.repeat_interleave(rows_per_request)]
+        return walk(roots, input_tokens, positions, cu_num_logits, *args)
+
+    monkeypatch.setattr(rejection_sampler, "tree_walk", wrong_row_walk)
+    prompt, script, joint, _, _, _ = reference
+    AdversarialTreeDrafter.script = script
+    llm = engine({**host_drafter(DRAFTER), "speculative_token_tree": ADVERSARIAL_TREE})
+    try:
+        samples, _ = sample(llm, prompt, 0, NUM_NEGATIVE_SAMPLES)
+    finally:
+        shutdown(llm)
+    fit = goodness_of_fit(Counter(samples), joint)
+    print(f"negative control, the wrong rows' samples: {fit}")
+    assert fit.outside_support > 0 or fit.p_value < MIN_P_VALUE, str(fit)

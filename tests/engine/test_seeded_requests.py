@@ -1,20 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Seeded requests whose prompts are chunked are served, plain and in tree
-mode, and give the text they give unchunked.
-
-Upstream's runner rewound a seeded request's generator after sampling a token
-it discards (a partial prefill) with `set_offset`, which CPU generators do not
-have: one such request killed the engine. The stack's first patch never draws
-a discarded sample from the request's generator. Two ways users chunk a
-prompt: a step budget below the prompt (`--max-num-batched-tokens 64`), and
-one `LLM.generate` of more seeded prompt tokens than a step's budget (the last
-prompt of the batch is split)."""
+"""Seeded requests whose prompts are chunked are served in tree mode, and
+give the text they give unchunked: Model Runner V2 keys a seeded request's
+noise by its seed and the position it samples, so a partial prefill's
+discarded sample moves nothing. Two ways users chunk a prompt: a step budget
+below the prompt (`--max-num-batched-tokens 64`), and one `LLM.generate` of
+more seeded prompt tokens than a step's budget (the last prompt of the batch
+is split)."""
 
 from __future__ import annotations
 
 import pytest
 
-from . import model_runner_v2
 from .conftest import make_llm, shutdown, spec_decode_counters
 from .trained_pair import text_prompts, trained_pair
 
@@ -22,11 +18,11 @@ pytestmark = pytest.mark.engine
 
 SAMPLING = {"temperature": 0.7, "max_tokens": 16}
 SMALL_BUDGET = 64
-# Model Runner V2 runs its kernels in Triton's interpreter here: a smaller
-# batch over a smaller budget, and tree mode only (plain V2 has no stack code).
-NUM_BATCHED = 12 if model_runner_v2.requested() else 32
-BATCH_BUDGET = 1024 if model_runner_v2.requested() else 4096
-MODES = ["tree"] if model_runner_v2.requested() else ["plain", "tree"]
+# Model Runner V2 runs its kernels in Triton's interpreter here: a small
+# batch over a small budget, and tree mode only (plain V2 has no stack code).
+NUM_BATCHED = 12
+BATCH_BUDGET = 1024
+MODES = ["tree"]
 
 
 def speculative_config(mode: str) -> dict | None:
@@ -57,7 +53,6 @@ def prompts() -> dict[str, list[str]]:
     }
 
 
-@pytest.mark.model_runner_v2
 @pytest.mark.parametrize("mode", MODES)
 def test_seeded_chunked_prompts_give_the_unchunked_text(prompts, mode):
     target, _ = trained_pair()
@@ -95,26 +90,3 @@ def test_seeded_chunked_prompts_give_the_unchunked_text(prompts, mode):
         assert results[name, "after"] == results["whole", "after"]
     if mode == "tree":
         assert all(c["num_accepted_tokens"] > 0 for c in counters.values())
-
-
-def test_negative_control_generators_advanced_by_discarded_samples(prompts, monkeypatch):
-    """A fix that only stopped the crash (no rewind, discarded samples still
-    drawn from the request's generator, as in vllm-rbln#1025) must fail the
-    check above: the chunked prompts' texts then differ."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    target, _ = trained_pair()
-    texts = {}
-    for budget in (8192, SMALL_BUDGET):
-        llm = make_llm(target, enable_chunked_prefill=True, max_num_batched_tokens=budget)
-        try:
-            texts[budget] = seeded_generate(llm, prompts["long"])
-        finally:
-            shutdown(llm)
-        monkeypatch.setattr(
-            GPUModelRunner, "_sampling_metadata_without_discarded_generators",
-            lambda runner: runner.input_batch.sampling_metadata,
-        )
-    differing = sum(a != b for a, b in zip(texts[8192], texts[SMALL_BUDGET]))
-    print(f"negative control: {differing} of {len(prompts['long'])} chunked prompts differ")
-    assert differing == len(prompts["long"])

@@ -5,10 +5,8 @@ A tree-mode engine samples every random row with noise keyed by the
 request's seed and the position the row samples, siblings sharing their
 depth's (tests/engine/keyed_sampling.py), so the same seeded requests must
 give the same text (tie-aware) across:
-- the same requests decoded without drafts: on the V1 runner by a tree-mode
-  engine, where `logit_bias={0: 0.0}` makes each a zero-draft fallback and
-  changes no logit; on Model Runner V2 by V2 without speculation, whose
-  keys tree mode shares;
+- the same requests decoded without drafts, by Model Runner V2 without
+  speculation, whose keys tree mode shares;
 - a chain-shaped tree, K=3 W=4, a 12-node continuation tree (Gemma 4 MTP)
   and the draft_model drafter's tree;
 - a batch of mixed requests (two sampling set-ups, greedy, unseeded and
@@ -20,10 +18,8 @@ must break drafter invariance on a branching tree.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from . import model_runner_v2
 from .conftest import make_llm, shutdown, spec_decode_counters
 from .keyed_sampling import (
     ScoreOracle,
@@ -36,9 +32,9 @@ from .trained_pair import text_prompts, trained_pair
 
 pytestmark = pytest.mark.engine
 
-# Model Runner V2 runs its kernels in Triton's interpreter here: fewer requests.
-NUM_REQUESTS = 16 if model_runner_v2.requested() else 32
-NUM_ALONE = 2 if model_runner_v2.requested() else 4
+# Model Runner V2 runs its kernels in Triton's interpreter here: few requests.
+NUM_REQUESTS = 16
+NUM_ALONE = 2
 MAX_TOKENS = 24
 # T 0.8 / top-p 0.9, and Gemma 4's generation defaults (T 1.0, top-k 64,
 # top-p 0.95).
@@ -50,7 +46,7 @@ NO_DRAFTS = {"logit_bias": {0: 0.0}}
 
 
 def batch(mixed: bool) -> list[tuple[SeededRequest, dict]]:
-    """32 requests: per 8, three of each sampling set-up, one greedy and one
+    """NUM_REQUESTS requests: per 8, three of each sampling set-up, one greedy and one
     unseeded (load only, never compared). With `mixed`, every eighth request
     is a zero-draft fallback inside the tree's batches."""
     from transformers import AutoTokenizer
@@ -119,24 +115,14 @@ DRAFTERS = {
 
 @pytest.fixture(scope="module")
 def reference():
-    """The batch decoded without drafts: by V2 without speculation, whose
-    keys a V2 tree shares, or by a V1 tree-mode engine, whose keys are its
-    own."""
+    """The batch decoded without drafts: by Model Runner V2 without
+    speculation, whose keys a tree shares."""
     requests = batch(mixed=False)
-    if model_runner_v2.requested():
-        llm = engine(None)
-        try:
-            return compared(requests, generate(llm, requests))
-        finally:
-            shutdown(llm)
-    llm = engine(mtp(tree_width=4))
+    llm = engine(None)
     try:
-        tokens = generate(llm, requests, extra=NO_DRAFTS)
-        counters = spec_decode_counters(llm)
+        return compared(requests, generate(llm, requests))
     finally:
         shutdown(llm)
-    assert counters["num_draft_tokens"] == 0
-    return compared(requests, tokens)
 
 
 def run(llm, label: str, reference) -> dict:
@@ -156,7 +142,6 @@ def run(llm, label: str, reference) -> dict:
     return spec_decode_counters(llm)
 
 
-@pytest.mark.model_runner_v2
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_seeded_text_does_not_depend_on_the_drafter(reference, drafter):
     speculative, options = DRAFTERS[drafter]()
@@ -177,7 +162,6 @@ def test_seeded_text_does_not_depend_on_the_drafter(reference, drafter):
     assert counters["num_tree_fallback_requests"] > 0
 
 
-@pytest.mark.model_runner_v2
 def test_seeded_text_survives_preemption(reference):
     llm = engine(mtp(tree_width=4), kv_cache_memory_bytes=1 << 20, block_size=32)
     try:
@@ -192,36 +176,26 @@ def test_seeded_text_survives_preemption(reference):
 
 def key_noise_by_row(monkeypatch) -> None:
     """Noise keyed by each verify row's flat index instead of its depth."""
-    if model_runner_v2.requested():
-        import torch
+    import torch
 
-        from vllm.v1.worker.gpu.spec_decode.tree import rejection_sampler
+    from vllm.v1.worker.gpu.spec_decode.tree import rejection_sampler
 
-        gumbel_sample = rejection_sampler.gumbel_sample
+    gumbel_sample = rejection_sampler.gumbel_sample
 
-        def by_row(logits, expanded_idx_mapping, temperature, seeds, pos, **kwargs):
-            # Rows of a request are consecutive: its root's position plus the
-            # row's index among them.
-            rows = torch.arange(pos.shape[0])
-            starts = torch.ones_like(rows, dtype=torch.bool)
-            starts[1:] = expanded_idx_mapping[1:] != expanded_idx_mapping[:-1]
-            first_row = torch.cummax(torch.where(starts, rows, 0), dim=0).values
-            flat = pos[first_row] + rows - first_row
-            return gumbel_sample(logits, expanded_idx_mapping, temperature, seeds, flat,
-                                 **kwargs)
+    def by_row(logits, expanded_idx_mapping, temperature, seeds, pos, **kwargs):
+        # Rows of a request are consecutive: its root's position plus the
+        # row's index among them.
+        rows = torch.arange(pos.shape[0])
+        starts = torch.ones_like(rows, dtype=torch.bool)
+        starts[1:] = expanded_idx_mapping[1:] != expanded_idx_mapping[:-1]
+        first_row = torch.cummax(torch.where(starts, rows, 0), dim=0).values
+        flat = pos[first_row] + rows - first_row
+        return gumbel_sample(logits, expanded_idx_mapping, temperature, seeds, flat,
+                             **kwargs)
 
-        monkeypatch.setattr(rejection_sampler, "gumbel_sample", by_row)
-        return
-    from vllm.v1.attention.spec_tree import SpecTokenTree
-
-    def row_indices(self, num_draft_tokens: np.ndarray) -> np.ndarray:
-        num_rows = num_draft_tokens + 1
-        return np.arange(num_rows.sum()) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
-
-    monkeypatch.setattr(SpecTokenTree, "sampled_row_depths", row_indices)
+    monkeypatch.setattr(rejection_sampler, "gumbel_sample", by_row)
 
 
-@pytest.mark.model_runner_v2
 def test_negative_control_noise_keyed_by_row(reference, monkeypatch):
     """Noise keyed by (seed, position + verify row) instead of the row's
     depth: siblings draw other noise than the decode without drafts, so

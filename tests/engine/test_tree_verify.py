@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 
+from .host_drafter import host_drafter
 from .conftest import (
     greedy_generate,
     make_llm,
@@ -24,8 +25,8 @@ from .scripted_drafter import DraftScript, ScriptedTreeDrafter
 
 pytestmark = pytest.mark.engine
 
-NUM_PROMPTS = 64
-MAX_TOKENS = 24
+NUM_PROMPTS = 12
+MAX_TOKENS = 16
 VOCAB_SIZE = 512
 DRAFTER = "tests.engine.scripted_drafter.ScriptedTreeDrafter"
 
@@ -76,7 +77,7 @@ def reference(tiny_gemma4):
 
 
 def run_tree(target, shape: dict, prompts, **engine_options):
-    llm = make_llm(target, {"model": DRAFTER, **shape}, **engine_options)
+    llm = make_llm(target, {**host_drafter(DRAFTER), **shape}, **engine_options)
     try:
         got = generate(llm, prompts)
         counters = spec_decode_counters(llm)
@@ -96,7 +97,7 @@ def record_coverage(counters: dict) -> None:
     )
 
 
-@pytest.mark.parametrize("batch_size", [1, 8, 32])
+@pytest.mark.parametrize("batch_size", [1, 12])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tree_is_token_identical_to_plain_greedy(tiny_gemma4, reference, shape, batch_size):
     prompts, expected = reference
@@ -111,7 +112,7 @@ def test_chain_shaped_tree_accepts_exactly_what_chain_mode_accepts(tiny_gemma4, 
     prompts, expected = reference
     target = tiny_gemma4[0]
     tree_tokens, tree_counters, _ = run_tree(target, SHAPES["chain"], prompts)
-    llm = make_llm(target, {"model": DRAFTER, "num_speculative_tokens": 3})
+    llm = make_llm(target, {**host_drafter(DRAFTER), "num_speculative_tokens": 3})
     try:
         chain_tokens = generate(llm, prompts)
         chain_counters = spec_decode_counters(llm)
@@ -145,15 +146,15 @@ def test_chunked_prefill_mixes_prefill_chunks_with_tree_rows(tiny_gemma4, refere
 
 def test_prefix_cache_hits_give_the_same_tokens(tiny_gemma4, reference):
     prompts, expected = reference
-    llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]},
+    llm = make_llm(tiny_gemma4[0], {**host_drafter(DRAFTER), **SHAPES["leaf_siblings_k3_w4"]},
                    enable_prefix_caching=True, block_size=32)
     try:
         first = generate(llm, prompts)
-        # Each finished request's prompt plus 16 of its tokens, again: the
+        # Each finished request's prompt plus 8 of its tokens, again: the
         # full blocks it left, written by tree steps (with moved accepted-path
         # KV), are now served from the prefix cache.
-        resumed = generate(llm, [p + e[:16] for p, e in zip(prompts, expected.tokens)],
-                           max_tokens=MAX_TOKENS - 16)
+        resumed = generate(llm, [p + e[:8] for p, e in zip(prompts, expected.tokens)],
+                           max_tokens=MAX_TOKENS - 8)
         hits = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}.get(
             "vllm:prefix_cache_hits"
         )
@@ -162,7 +163,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_gemma4, reference):
         shutdown(llm)
     record_coverage(counters)
     assert_greedy_identical(first, expected)
-    assert_greedy_identical(resumed, expected.suffix(16), "resumed from the prefix cache")
+    assert_greedy_identical(resumed, expected.suffix(8), "resumed from the prefix cache")
     assert hits and hits > 0
 
 
@@ -194,7 +195,7 @@ def test_requests_a_tree_cannot_verify_are_decoded_without_drafts(tiny_gemma4, r
     finally:
         shutdown(plain)
 
-    llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]})
+    llm = make_llm(tiny_gemma4[0], {**host_drafter(DRAFTER), **SHAPES["leaf_siblings_k3_w4"]})
     try:
         (digits,) = generate(llm, prompts[:1],
                              structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
@@ -215,16 +216,16 @@ def test_requests_a_tree_cannot_verify_are_decoded_without_drafts(tiny_gemma4, r
 
 
 @pytest.mark.parametrize("speculative, engine_options, match", [
-    ({"model": DRAFTER, "speculative_token_tree": "[(1,)]"}, {},
+    ({**host_drafter(DRAFTER), "speculative_token_tree": "[(1,)]"}, {},
      "speculative_token_tree"),
-    ({"model": DRAFTER, "speculative_token_tree": "[(0,), (0, 0)]",
+    ({**host_drafter(DRAFTER), "speculative_token_tree": "[(0,), (0, 0)]",
       "num_speculative_tokens": 3}, {}, "num_speculative_tokens"),
-    ({"model": DRAFTER, "num_speculative_tokens": 9, "tree_width": 4}, {}, "tree_width"),
+    ({**host_drafter(DRAFTER), "num_speculative_tokens": 9, "tree_width": 4}, {}, "tree_width"),
     # A drafter whose drafts are chains.
     ({"method": "ngram", "prompt_lookup_max": 3, "num_speculative_tokens": 2,
       "tree_width": 2}, {}, "method='ngram'"),
     # The accepted-path KV commit runs on the sampling rank only.
-    ({"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]},
+    ({**host_drafter(DRAFTER), **SHAPES["leaf_siblings_k3_w4"]},
      {"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
 ], ids=["bad-tree", "node-count", "too-many-nodes", "chain-drafter", "pipeline-parallel"])
 def test_bad_tree_config_fails_at_engine_start(tiny_gemma4, speculative, engine_options,
@@ -253,7 +254,7 @@ def test_identity_check_fails_a_verify_with_flat_positions(
         tree.position_offsets = tree.position_offsets_cpu.to(tree.position_offsets.device)
 
     monkeypatch.setattr(SpecTokenTree, "__init__", build_tree_with_flat_positions)
-    llm = make_llm(tiny_gemma4[0], {"model": DRAFTER, **SHAPES["leaf_siblings_k3_w4"]})
+    llm = make_llm(tiny_gemma4[0], {**host_drafter(DRAFTER), **SHAPES["leaf_siblings_k3_w4"]})
     try:
         got = generate(llm, prompts)
     finally:

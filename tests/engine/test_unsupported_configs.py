@@ -4,9 +4,15 @@ configuration is built (what `vllm serve` and `LLM` do first), with a message
 that names the setting. Each of these built a tree-mode engine configuration
 before the stack refused it; the TRITON_ATTN-only refusals (chunked local
 attention, R-SWA, non-causal windows) are unit-tested in the patched tree
-(tests/v1/attention/test_triton_attn_tree.py)."""
+(tests/v1/attention/test_triton_attn_tree.py). Drafters whose speculator
+drafts chains (EAGLE, EAGLE-3, MTP other than Gemma 4's assistant) are refused
+a tree naming their method, while a Gemma 4 MTP tree builds, sized by load or
+not. No weights are loaded: the configurations are only built."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +25,6 @@ def mtp_tree(**extra) -> dict:
     _, assistant = trained_pair()
     return {"method": "mtp", "model": str(assistant), "num_speculative_tokens": 3,
             "tree_width": 4, **extra}
-
-
-def draft_model_tree(**extra) -> dict:
-    target, _ = trained_pair()
-    return {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3,
-            "tree_width": 2, **extra}
 
 
 CASES = {
@@ -44,12 +44,6 @@ CASES = {
     "probabilistic-drafts": (
         mtp_tree(draft_sample_method="probabilistic"), {},
         "draft_sample_method='probabilistic' is not supported",
-    ),
-    "heterogeneous-vocabulary": (
-        draft_model_tree(use_heterogeneous_vocab=True), {}, "use_heterogeneous_vocab",
-    ),
-    "parallel-drafting": (
-        draft_model_tree(parallel_drafting=True), {}, "parallel_drafting",
     ),
     "adaptive-verification": (
         mtp_tree(enable_adaptive_verification=True), {},
@@ -74,32 +68,59 @@ def test_unsupported_setting_is_refused_naming_it(case):
     print(f"{case}: {str(error.value).splitlines()[1].strip()[:240]}")
 
 
-def test_model_runner_v2_serves_gemma4_mtp_trees_sized_by_a_schedule(monkeypatch):
-    """Asked for, Model Runner V2 verifies a Gemma 4 MTP tree, sized by a
-    schedule or by the schedule "auto" profiles at start-up."""
-    from vllm.config import vllm as vllm_config_module
+def llama_draft(directory: Path, architecture: str) -> str:
+    """A draft checkpoint of a tiny Llama architecture (EAGLE or EAGLE-3
+    heads are Llama layers) on the target's vocabulary: its config only, as
+    building the configuration reads no weights."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": [architecture], "model_type": "llama", "vocab_size": 512,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 2048, "torch_dtype": "float32",
+    }))
+    return str(directory)
 
-    # The CPU build has no Triton; the config only checks that it is there.
-    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    assert build_config(mtp_tree()).use_v2_model_runner
-    assert build_config(mtp_tree(num_speculative_tokens_per_batch_size="auto")
-                        ).use_v2_model_runner
+
+# Drafters whose speculators draft chains, by method.
+CHAIN_DRAFTERS = {
+    "eagle": lambda tmp: {"method": "eagle",
+                          "model": llama_draft(tmp / "eagle", "LlamaForCausalLM")},
+    "eagle3": lambda tmp: {"method": "eagle3",
+                           "model": llama_draft(tmp / "eagle3", "LlamaForCausalLMEagle3")},
+    # An MTP drafter other than Gemma 4's assistant: no draft model, the MTP
+    # layers of the target's own checkpoint (as DeepSeek or Qwen3-Next ship
+    # theirs).
+    "mtp": lambda tmp: {"method": "mtp"},
+}
 
 
-def test_supported_tree_config_builds():
-    config = build_config(mtp_tree())
-    assert config.speculative_config.num_speculative_tokens == 12
-    assert not config.use_v2_model_runner
+@pytest.mark.parametrize("method", list(CHAIN_DRAFTERS))
+def test_a_chain_drafter_is_refused_a_tree_naming_its_method(tmp_path, method):
+    drafter = CHAIN_DRAFTERS[method](tmp_path)
+    # Its chain builds: the refusal below is the tree's, not the drafter's.
+    chain = build_config({**drafter, "num_speculative_tokens": 3}).speculative_config
+    assert chain.method == method
+    assert not chain.speculator_config.drafts_token_trees
+    with pytest.raises(Exception, match=f"speculative_token_tree is not supported with "
+                                        f"method='{method}'") as error:
+        build_config({**drafter, "num_speculative_tokens": 3, "tree_width": 4})
+    print(f"{method}: {str(error.value).splitlines()[1].strip()[:240]}")
 
 
 @pytest.mark.parametrize("sizing", [
+    {},
     {"num_speculative_tokens_per_batch_size": [(1, 8, 12), (9, 256, 4)]},
     {"num_speculative_tokens_per_batch_size": "auto"},
-])
-def test_tree_sized_by_load_builds_on_the_v1_runner(sizing):
-    """Upstream's Dynamic SD schedule, or "auto", sizes a tree in the V1
-    runner (the CPU build's)."""
-    config = build_config(mtp_tree(**sizing))
-    assert config.speculative_config.num_speculative_tokens == 12
-    assert not config.use_v2_model_runner
+], ids=["fixed", "schedule", "auto"])
+def test_gemma4_mtp_tree_builds_fixed_or_sized_by_load(sizing):
+    """A Gemma 4 MTP tree builds as it is, sized by a schedule, or sized by
+    the schedule "auto" profiles at start-up; Gemma 4's tree speculator
+    drafts it."""
+    speculative = build_config(mtp_tree(**sizing)).speculative_config
+    assert speculative.num_speculative_tokens == 12
+    assert speculative.num_speculative_tokens_per_batch_size == sizing.get(
+        "num_speculative_tokens_per_batch_size")
+    assert speculative.speculator_config.drafts_token_trees
+    assert speculative.speculator_config.speculator_class == (
+        "vllm.v1.worker.gpu.spec_decode.gemma4.tree.Gemma4TreeSpeculator")

@@ -11,8 +11,8 @@ flat (logit std ~0.16 over 512 tokens), so greedy paths hang on near-ties that
 the last bits of a kernel decide differently per CPU. Its final norm is scaled
 by `TinyGemma4Spec.logit_scale` at construction, which multiplies every logit
 (Gemma 4 norms scale by `weight` directly, and the tiny model has no final
-softcap). Plain greedy decoding of the 64 random prompts of
-tests/engine/test_tree_verify.py (24 steps each) then has a median top-2
+softcap). Plain greedy decoding of 64 random prompts of the kind
+tests/engine/test_tree_verify.py draws (24 steps each) then has a median top-2
 logprob margin of 0.88 nats (0.037 unscaled) and a smallest one of 5.6e-4,
 56 times the tie tolerance of tests/engine/identity.py, with a median top-1
 logprob of -0.89 (-5.8 unscaled). Scaling cannot separate logits that are

@@ -93,6 +93,9 @@ class _Platform:
     def is_cuda(self):
         return torch.cuda.is_available()
 
+    def is_rocm(self):
+        return False
+
     def is_device_capability_family(self, family):
         if not torch.cuda.is_available():
             return False

@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Test-only: every Python process started with this directory on PYTHONPATH
 (a `vllm serve` and its engine process, see tests/engine/test_serve.py) runs
-Model Runner V2 as the tests' own process does, when TREE_TEST_MODEL_RUNNER=v2
+Model Runner V2 as the tests' own process does
 (tests/engine/model_runner_v2.py)."""
 
-import os
+from tests.engine import model_runner_v2
 
-if os.environ.get("TREE_TEST_MODEL_RUNNER") == "v2":
-    from tests.engine import model_runner_v2
-
-    model_runner_v2.install()
+model_runner_v2.install()
