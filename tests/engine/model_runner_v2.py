@@ -92,8 +92,9 @@ def _compile_options_as_served() -> None:
     """The interpreter checks every 32-bit integer add, sub and mul for
     overflow (in int64, with a device assert: half of a TRITON_ATTN step's
     time here); a GPU checks only kernels compiled with debug=True, which
-    vLLM does not serve. Engine tests run the kernels as served; the kernels'
-    own tests (vLLM's tree, TRITON_INTERPRET=1 alone) keep the check."""
+    vLLM does not serve. Engine tests (and vLLM's own tests in CI,
+    ci/vllm_own_tests.py) run the kernels as served; the kernel tests the
+    patches add to vLLM's tree (TRITON_INTERPRET=1 alone) keep the check."""
     import dataclasses
 
     from triton.runtime import interpreter
