@@ -11,8 +11,8 @@ Run as a script (by test_kernel_specialisations.py, in a subprocess:
 `--triton-attn` must select the backend before vLLM is imported), it starts a
 Gemma 4 MTP tree engine as `vllm serve` starts one without --enforce-eager
 (with its JIT warmup; no torch.compile or CUDA graphs on this CPU), serves
-steps at every node count the tree sizes may pick, greedy with logprobs and
-sampled, and prints one JSON line.
+steps at every node count (or, with `--schedule`, at the schedule's), greedy
+with logprobs and sampled, and prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,23 +29,18 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
 class KernelSpecialisations:
-    """Records each launch's specialisation key while installed."""
-
-    def __init__(self) -> None:
-        self.launched: set[tuple] = set()
+    """Records each launch's specialisation key."""
 
     @contextmanager
-    def recording(self) -> Iterator[set[tuple]]:
-        """Records the launches of this block, yielded as a set of keys."""
+    def recording(self) -> Iterator[Counter]:
+        """Records the launches of this block: launches per key."""
         from triton.runtime import interpreter
 
         run = interpreter.InterpretedFunction.run
-        launched: set[tuple] = set()
+        launched: Counter = Counter()
 
         def recorded_run(kernel, *args, grid, warmup, **kwargs):
-            key = specialisation_key(kernel, args, kwargs)
-            launched.add(key)
-            self.launched.add(key)
+            launched[specialisation_key(kernel, args, kwargs)] += 1
             return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
 
         interpreter.InterpretedFunction.run = recorded_run
@@ -122,12 +118,18 @@ def main() -> None:
     from tests.engine.trained_pair import text_prompts, trained_pair
 
     target, assistant = trained_pair()
+    # --schedule: num_speculative_tokens_per_batch_size, whose node counts
+    # (all with "auto") start-up warms; the steps serve those. Without one,
+    # every node count.
+    schedule = None
+    if "--schedule" in sys.argv:
+        schedule = json.loads(sys.argv[sys.argv.index("--schedule") + 1])
     recorder = KernelSpecialisations()
     with recorder.recording() as startup:
         llm = make_llm(
             target,
             {"method": "mtp", "model": str(assistant), "num_speculative_tokens": 3,
-             "tree_width": 4},
+             "tree_width": 4, "num_speculative_tokens_per_batch_size": schedule},
             max_num_seqs=2,
             kv_cache_memory_bytes=64 << 20,
             enforce_eager=False,
@@ -136,6 +138,8 @@ def main() -> None:
     try:
         tree_sizes = llm.llm_engine.engine_core.engine_core.scheduler.tree_sizes
         node_counts = list(range(tree_sizes.nested.max_num_nodes + 1))
+        if isinstance(schedule, list):
+            node_counts = sorted({0, *(entry[2] for entry in schedule)})
         with recorder.recording() as serving:
             for num_nodes in node_counts:
                 tree_sizes.pin(num_nodes)
@@ -145,16 +149,26 @@ def main() -> None:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         backends = sorted({group.backend.get_name()
                            for groups in runner.attn_groups for group in groups})
+        num_kv_cache_groups = len(runner.attn_groups)
     finally:
         shutdown(llm)
-    launched = startup | serving
+    launched = startup.keys() | serving.keys()
+    # Launches of the attention kernel while serving, by its tree variant.
+    attention = Counter()
+    for key, count in serving.items():
+        if key[1] == "kernel_unified_attention":
+            use_tree = dict(key[2]).get("USE_TREE", "False") == "True"
+            attention["tree" if use_tree else "plain"] += count
     print("RESULT " + json.dumps({
         "backends": backends,
         "node_counts": node_counts,
         "startup": len(startup),
         "serving": len(serving),
-        "new_while_serving": [describe(key) for key in sorted(serving - startup)],
+        "new_while_serving": [describe(key)
+                              for key in sorted(serving.keys() - startup.keys())],
         "tree_kernels": sorted({key[1] for key in launched if key[1] in TREE_KERNELS}),
+        "attention_launches_while_serving": attention,
+        "kv_cache_groups": num_kv_cache_groups,
         "drafts": drafts,
     }))
 

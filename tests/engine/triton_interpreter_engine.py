@@ -76,15 +76,20 @@ def attention_backends(llm) -> list[str]:
 
 def drop_the_ancestor_mask() -> None:
     """The negative control: every tree row sees every row of its block."""
+    import torch
+
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
 
-    set_tree_rows = TritonAttentionMetadataBuilder._set_tree_rows
+    build = TritonAttentionMetadataBuilder.build
 
-    def without_mask(self, attn_metadata, common_attn_metadata):
-        set_tree_rows(self, attn_metadata, common_attn_metadata)
-        self.tree_ancestor_bits.fill_(-1)
+    def without_mask(self, *args, **kwargs):
+        attn_metadata = build(self, *args, **kwargs)
+        if attn_metadata.tree_ancestor_bits is not None:
+            attn_metadata.tree_ancestor_bits = torch.full_like(
+                attn_metadata.tree_ancestor_bits, -1)
+        return attn_metadata
 
-    TritonAttentionMetadataBuilder._set_tree_rows = without_mask
+    TritonAttentionMetadataBuilder.build = without_mask
 
 
 def main() -> None:
