@@ -13,7 +13,8 @@ need not be installed on the GPU machine. From the repository root, after
     python tests/gpu/run_device_checks.py --out docs/benchmarks-gpu.json
     python tests/gpu/run_device_checks.py --render docs/benchmarks-gpu.json
 
-(with the device tool, carry build/vllm-patched/vllm/v1/attention/ops). On one
+(with the device tool, carry build/vllm-patched/vllm/v1/attention/ops and
+build/vllm-patched/vllm/v1/worker/gpu/spec_decode/tree). On one
 H200, in at most about 8 minutes (no timing starts past --time-limit-s):
 (a) correctness cases in bfloat16, every row against a float32 dense
 reference, and a negative control (the mask dropped) that must fail; (b) the
@@ -24,7 +25,9 @@ whole step (tests/gpu/verify_step.py) at n = 0, 3, 12, 16 and 32 nodes, batch
 a tree schedule would draft at each batch size; (d) verify attention per layer
 for chain K=3 (4 query rows per request) and trees of 12, 16 and 32 nodes
 (leaf-sibling, W=4), contexts 1k / 8k / 32k, batch 1 / 8 / 32, and the whole
-model's attention time per extra node. The second command puts the figures
+model's attention time per extra node; (e) the tree walk, tree rows and KV
+commit kernels against the interpreter's results, and timed
+(tests/gpu/tree_kernels.py). The second command puts the figures
 into docs/benchmarks-gpu.md.
 
 Attention shapes, from the published configs: E4B has 42 layers (35 sliding: 8
@@ -54,7 +57,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.gpu import verify_step  # noqa: E402
+from tests.gpu import tree_kernels, verify_step  # noqa: E402
 from tests.gpu.tree_batches import (  # noqa: E402
     BLOCK_SIZE,
     Replay,
@@ -128,9 +131,10 @@ class KVQuantMode(IntEnum):
 }
 
 
-def load_unified_attention(vllm_src: Path):
-    """The patched kernel's `unified_attention`, imported from a scratch
-    package: the kernel files plus stand-ins for their vllm imports."""
+def kernel_package(vllm_src: Path) -> Path:
+    """A scratch package, put on sys.path, of the patched attention kernel's
+    files plus stand-ins for their vllm imports (tree_kernels.py adds the
+    other tree kernels)."""
     package = Path(tempfile.mkdtemp(prefix="tree-kernel-"))
     for name, text in STAND_INS.items():
         (package / name).parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +150,11 @@ def load_unified_attention(vllm_src: Path):
     if "vllm" in sys.modules:
         raise SystemExit("vllm is already imported: run this script on its own")
     sys.path.insert(0, str(package))
+    return package
+
+
+def load_unified_attention(package: Path):
+    """The patched kernel's `unified_attention`, from `kernel_package`."""
     module = importlib.import_module("vllm.v1.attention.ops.triton_unified_attention")
     return module.unified_attention
 
@@ -571,6 +580,36 @@ def render(summary: dict | None) -> str:
             )
             + " |"
         )
+    kernels = summary.get("tree_kernels", {})
+    kernel_times = kernels.get("timings", {})
+    commit = kernel_times.get("kv_commit", {})
+    lines += [
+        "",
+        "**The other tree kernels** (compiled on the device, every case bit for "
+        f"bit against Triton's interpreter; timed for {cell(kernel_times.get('requests'), 'd')} "
+        f"requests with the {cell(kernel_times.get('tree_nodes'), 'd')}-node tree):",
+        "",
+        "| kernel | cases | equal to the interpreter | µs per step |",
+        "|---|---|---|---|",
+    ]
+    for name, label, key in (
+        ("walk", "tree walk", "walk_us"),
+        ("rows", "tree rows", "rows_us"),
+        ("kv_commit", "KV commit, E4B's 42 KV caches, 3 accepted nodes", None),
+    ):
+        result = kernels.get(name, {})
+        passed = result.get("passed")
+        microseconds = kernel_times.get(key) if key else commit.get("kernel_us")
+        lines.append(
+            f"| {label} | {cell(result.get('cases'), 'd')} | "
+            f"{'—' if passed is None else 'yes' if passed else 'NO'} | "
+            f"{cell(microseconds, '.1f')} |"
+        )
+    lines.append(
+        "| the per-cache torch copies the KV commit replaced | | | "
+        f"{cell(commit.get('per_cache_copies_us'), '.1f')} "
+        f"({cell(commit.get('per_cache_over_kernel'), '.1f')}x the kernel's) |"
+    )
     skipped = step.get("skipped_past_time_limit")
     if skipped:
         lines += ["", f"Skipped past the time limit: {', '.join(skipped)}."]
@@ -626,7 +665,10 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     started = time.perf_counter()
     deadline = started + args.time_limit_s
-    unified_attention = load_unified_attention(args.vllm_src)
+    package = kernel_package(args.vllm_src)
+    unified_attention = load_unified_attention(package)
+    tree_kernel_modules = tree_kernels.load(package, args.vllm_src)
+    tree_kernels_reference = tree_kernels.InterpreterResults(args.vllm_src, args.smoke)
     name = (
         torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     )
@@ -647,6 +689,15 @@ def main() -> None:
         flush=True,
     )
     summary["graph_replay"] = graph_replay(unified_attention, device, dtype, args.smoke)
+    save()
+    print(
+        "* The walk, tree rows and KV commit kernels against the interpreter, "
+        "and timed",
+        flush=True,
+    )
+    summary["tree_kernels"] = tree_kernels.checks(
+        *tree_kernel_modules, tree_kernels_reference, device, args.smoke
+    )
     save()
     print(
         "* A whole step at Gemma 4 E4B shapes"
@@ -674,6 +725,13 @@ def main() -> None:
     ]
     if replays["negative_control_bad_rows"] == 0:
         failed.append("graph replay: stale tree buffers changed no row")
+    failed += [
+        f"{name} kernel differs from the interpreter"
+        for name, result in summary["tree_kernels"].items()
+        if name != "timings" and not result["passed"]
+    ]
+    if summary["tree_kernels"]["walk"]["negative_control_mismatched_cases"] == 0:
+        failed.append("tree walk: shifted parents changed no case")
     consistency = summary["verify_step"].get("consistency")
     if consistency and not consistency["passed"]:
         failed.append("verify step: a tree node differs from its path as a chain")

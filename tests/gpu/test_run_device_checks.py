@@ -51,6 +51,15 @@ def test_device_checks_smoke_under_the_triton_interpreter(tmp_path):
             assert "model_ms_int64_masks" in point["tree_12"]
             assert "model_ms_int64_masks" not in point["tree_32"]
 
+    # The walk, rows and KV commit kernels: every case equal to the
+    # interpreter's run in a subprocess, the control caught, all timed.
+    kernels = summary["tree_kernels"]
+    for name in ("walk", "rows", "kv_commit"):
+        assert kernels[name]["passed"] and kernels[name]["cases"] > 0, kernels[name]
+    assert kernels["walk"]["negative_control_mismatched_cases"] > 0
+    assert kernels["timings"]["kv_commit"]["word_bytes"] == 8
+    assert kernels["timings"]["walk_us"] > 0 and kernels["timings"]["rows_us"] > 0
+
     step = summary["verify_step"]
     assert step["consistency"]["passed"], step["consistency"]
     assert not step["skipped_past_time_limit"]
