@@ -244,6 +244,10 @@ def test_auto_fixes_a_schedule_at_start_up(references, modeled_profile, acceptan
           f"{logged_schedule}; steps per drafted node count {sizes}, accepted "
           f"{counters.get('num_accepted_tokens', 0)}")
     assert logged.timed_batch_sizes() == [1, 2, 4, 8]
+    # Sampled as served: the tiny checkpoint's generation config sets
+    # nothing, so an OpenAI client's temperature 1.
+    (timing,) = [line for line in logged.lines if line.startswith("Timing decode steps")]
+    assert timing.endswith("sampled with {'temperature': 1.0}"), timing
     assert len({n for _, _, n in logged_schedule}) <= 4
     assert set(sizes) <= {n for _, _, n in logged_schedule}
     if acceptance is not None:
