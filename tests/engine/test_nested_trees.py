@@ -64,21 +64,29 @@ class LoggedSchedule:
         self.lines: list[str] = []
         self.handler = logging.Handler()
         self.handler.emit = lambda record: self.lines.append(record.getMessage())
-        self.logger = logging.getLogger("vllm.v1.engine.core")
+        # The profile's lines, and the re-fix's (TreeSizes).
+        self.loggers = [logging.getLogger("vllm.v1.engine.core"),
+                        logging.getLogger("vllm.v1.spec_decode.tree")]
 
     def __enter__(self):
-        self.logger.addHandler(self.handler)
+        for logger in self.loggers:
+            logger.addHandler(self.handler)
         return self
 
     def __exit__(self, *exc):
-        self.logger.removeHandler(self.handler)
+        for logger in self.loggers:
+            logger.removeHandler(self.handler)
 
     def schedule(self) -> list[list[int]]:
         import ast
 
-        (line,) = [line for line in self.lines
-                   if line.startswith("num_speculative_tokens_per_batch_size: ")]
+        line = self.schedule_lines()[0]
         return ast.literal_eval(line.split(": ", 1)[1])
+
+    def schedule_lines(self) -> list[str]:
+        """The schedule the profile fixed, then each one the re-fix did."""
+        return [line for line in self.lines
+                if line.startswith("num_speculative_tokens_per_batch_size: ")]
 
     def timed_batch_sizes(self) -> list[int]:
         """The batch sizes (rows) of the step-time table the profile logged."""
@@ -249,7 +257,14 @@ def test_auto_fixes_a_schedule_at_start_up(references, modeled_profile, acceptan
     (timing,) = [line for line in logged.lines if line.startswith("Timing decode steps")]
     assert timing.endswith("sampled with {'temperature': 1.0}"), timing
     assert len({n for _, _, n in logged_schedule}) <= 4
-    assert set(sizes) <= {n for _, _, n in logged_schedule}
+    # The schedule's node counts, and the next larger ones its exploring
+    # steps draft.
+    from vllm.v1.spec_decode.tree_sizing import profile_node_counts
+
+    candidates = profile_node_counts(len(CONTINUATION_12))
+    scheduled = {n for _, _, n in logged_schedule}
+    explored = {min((c for c in candidates if c > n), default=n) for n in scheduled}
+    assert set(sizes) <= scheduled | explored
     if acceptance is not None:
         # From a spine accepted 95 to 99 % of the time, with rows this cheap,
         # the schedule drafts at every batch size and the drafts are accepted:
@@ -261,6 +276,46 @@ def test_auto_fixes_a_schedule_at_start_up(references, modeled_profile, acceptan
         assert scheduled_node_counts(pinned) == chosen
     finally:
         shutdown(pinned)
+
+
+# Acceptance "measured earlier" that is far too low for this pair: "auto"
+# starts by drafting no nodes at any batch size.
+PESSIMISTIC = [0.01] * len(CONTINUATION_12)
+
+
+def test_the_refix_moves_batch_sizes_off_zero_nodes(references, modeled_profile,
+                                                    monkeypatch):
+    """"auto" from a pessimistic acceptance drafts nothing; its exploring steps
+    (every 2nd step at a batch size here, every 32nd when served) draft the
+    next node count, the scheduler counts what the walk accepts there, and the
+    re-fix (every 16 steps here) moves batch sizes off 0 nodes, logged with
+    its counts. The output stays plain greedy decoding's."""
+    from vllm.v1.spec_decode import tree_sizing
+
+    monkeypatch.setattr(tree_sizing, "RESCHEDULE_STEPS", 16)
+    monkeypatch.setattr(tree_sizing, "RESCHEDULE_ADOPT_AFTER_STEPS", 2)
+    monkeypatch.setattr(tree_sizing, "EXPLORE_EVERY_STEPS", 2)
+    batch, expected, _ = references
+    with LoggedSchedule() as logged:
+        llm = make_llm(trained_pair()[0], speculative("auto", PESSIMISTIC),
+                       max_logprobs=-1)
+        try:
+            started = scheduled_node_counts(llm)
+            got = generate(llm, greedy(batch))
+            moved = scheduled_node_counts(llm)
+            counters = spec_decode_counters(llm)
+            sizes = tree_sizes(llm)
+        finally:
+            shutdown(llm)
+    assert_greedy_identical(got, expected, "auto from a pessimistic acceptance")
+    refixes = logged.schedule_lines()[1:]
+    print(f"started from {PESSIMISTIC[0]} acceptance: {logged.schedule_lines()[0]}; "
+          f"re-fixed: {refixes}; steps per drafted node count {sizes}, accepted "
+          f"{counters.get('num_accepted_tokens', 0)}")
+    assert set(started[1:]) == {0}
+    assert refixes and "steps exploring a larger tree" in refixes[0]
+    assert any(n > 0 for n in moved[1:])
+    assert counters["num_accepted_tokens"] > 0
 
 
 def test_a_schedule_of_zero_nodes_turns_speculation_off(references):
