@@ -86,6 +86,12 @@ def main() -> None:
         "each step takes about twice as long and a 10-s profile fits what a "
         "served one fits")
     parser.add_argument(
+        "--starts", action="store_true",
+        help="only start 'auto' from the prior and from the acceptance measured "
+        "on held-apart prompts, and print the profile's log lines and schedule "
+        "of each start (no careful table)",
+    )
+    parser.add_argument(
         "--replay", type=Path, nargs="+", metavar="JSON",
         help="run nothing: fix each recorded profile's schedule again from its "
         "samples with the installed vLLM's chooser, and print its efficiency "
@@ -121,6 +127,9 @@ def main() -> None:
     finally:
         shutdown(llm)
     print(f"E[L] run: {drafts:.0f} drafts, {sum(accepted.values())} accepted")
+    if args.starts:
+        starts(target, assistant, args, accepted, drafts)
+        return
     calibration = {}
     if args.calibrate:
         from vllm.config.speculative import leaf_sibling_token_tree
@@ -171,7 +180,7 @@ def main() -> None:
             seconds = next(float(line.split()[4]) for line in reversed(logged)
                            if line.startswith("Tree schedule profile took"))
             return {"seconds": seconds, "schedule": line.split(": ", 1)[1],
-                    "chosen": list(scheduler.dynamic_sd_lookup),
+                    "chosen": list(scheduler.tree_sizes.num_nodes_by_batch_size),
                     "samples_ms": {f"{b},{n}": [round(1000 * x, 3) for x in v]
                                    for (b, n), v in finished[-1]["samples"].items()},
                     "timed_node_counts": finished[-1]["timed_node_counts"]}
@@ -198,12 +207,12 @@ def main() -> None:
         tree_sizing.StepTimeTable.finish = finish
         samples = finished[-1]["samples"]
         node_counts = tree_sizing.profile_node_counts(
-            scheduler.nested_spec_trees.max_num_nodes)
+            scheduler.tree_sizes.nested.max_num_nodes)
         medians = careful_table(samples, node_counts)
         spreads = np.array([[max(samples[(b, n)]) / min(samples[(b, n)])
                              for n in node_counts] for b in BATCH_SIZES])
 
-        nested = scheduler.nested_spec_trees
+        nested = scheduler.tree_sizes.nested
         spec = llm.llm_engine.vllm_config.speculative_config
         token_budget = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         engine_expected = tree_sizing.expected_acceptance_lengths(
@@ -261,6 +270,46 @@ def main() -> None:
               f"{halves['efficiency'][0]:.3f} and {halves['efficiency'][1]:.3f}")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def starts(target, assistant, args, accepted: dict, drafts: float) -> None:
+    """'auto' started from the prior, then from the acceptance measured on
+    held-apart prompts: each start's profile lines (context, sampling, the
+    step-time table) and the schedule it fixed, one engine at a time."""
+    import logging
+
+    from tests.engine.conftest import make_llm, shutdown
+    from vllm.config.speculative import leaf_sibling_token_tree
+
+    tree = leaf_sibling_token_tree(args.depth, args.tree_width)
+    measured = [round(accepted.get(path, 0) / drafts, 4) for path in tree]
+    results = {"target": args.target, "measured_acceptance": measured}
+    for start, calibration in (
+        ("prior", {}),
+        ("measured", {"speculative_token_tree_acceptance": measured}),
+    ):
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logger = logging.getLogger("vllm.v1.engine.core")
+        logger.addHandler(handler)
+        try:
+            llm = make_llm(target, {"method": "mtp", "model": str(assistant),
+                                    "num_speculative_tokens": args.depth,
+                                    "tree_width": args.tree_width,
+                                    "num_speculative_tokens_per_batch_size": "auto",
+                                    **calibration},
+                           max_num_seqs=max(BATCH_SIZES), max_model_len=2048,
+                           kv_cache_memory_bytes=2 << 30)
+            shutdown(llm)
+        finally:
+            logger.removeHandler(handler)
+        results[start] = [line for line in lines
+                          if line.startswith(("Timing decode steps", "Tree schedule profile",
+                                              "num_speculative_tokens_per_batch_size"))]
+        print(f"* {args.target}, from the {start}:", *results[start], sep="\n", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def careful_table(samples: dict, node_counts, half: int | None = None):
