@@ -104,6 +104,10 @@ def main() -> None:
 
     import numpy as np
 
+    # Model Runner V2 on this CPU, as the tests run it (Triton's interpreter).
+    from tests.engine.model_runner_v2 import install
+
+    install()
     from tests.engine.conftest import make_llm, shutdown
     from tests.engine.trained_pair import trained_pair
     from vllm import SamplingParams
