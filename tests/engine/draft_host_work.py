@@ -74,7 +74,7 @@ class _Allocations(TorchDispatchMode):
 
 class HostWork:
     """Counts per draft step; `install(speculator, monkeypatch)` wraps its
-    propose() and its graph manager's run_fullgraph (if any)."""
+    propose() and every graph replay (`CudaGraphManager.run_fullgraph`)."""
 
     def __init__(self) -> None:
         self.steps: list[StepWork] = []
@@ -99,20 +99,20 @@ class HostWork:
         monkeypatch.setattr(speculator, "propose", counted_propose)
         for name in HOST_DATA_BUILDERS:
             monkeypatch.setattr(torch, name, self._counted_builder(getattr(torch, name), name))
-        manager = getattr(speculator, "tree_cudagraph_manager", None)
-        if manager is not None:
-            replay = manager.run_fullgraph
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-            def counted_replay(desc):
-                if work.current is not None:
-                    work.current.replays += 1
-                paused, work.paused = work.paused, True
-                try:
-                    return replay(desc)
-                finally:
-                    work.paused = paused
+        replay = CudaGraphManager.run_fullgraph
 
-            monkeypatch.setattr(manager, "run_fullgraph", counted_replay)
+        def counted_replay(manager, desc):
+            if work.current is not None:
+                work.current.replays += 1
+            paused, work.paused = work.paused, True
+            try:
+                return replay(manager, desc)
+            finally:
+                work.paused = paused
+
+        monkeypatch.setattr(CudaGraphManager, "run_fullgraph", counted_replay)
 
     def _counted_builder(self, builder, name):
         def counted(*args, **kwargs):
