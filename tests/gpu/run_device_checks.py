@@ -13,8 +13,10 @@ need not be installed on the GPU machine. From the repository root, after
     python tests/gpu/run_device_checks.py --out docs/benchmarks-gpu.json
     python tests/gpu/run_device_checks.py --render docs/benchmarks-gpu.json
 
-(with the device tool, carry build/vllm-patched/vllm/v1/attention/ops and
-build/vllm-patched/vllm/v1/worker/gpu/spec_decode/tree). On one
+(with the device tool, carry build/vllm-patched/vllm/v1/attention/ops,
+build/vllm-patched/vllm/v1/attention/spec_tree.py,
+build/vllm-patched/vllm/v1/worker/gpu/spec_decode/tree and
+build/vllm-patched/vllm/v1/worker/gpu/spec_decode/gemma4). On one
 H200, in at most about 8 minutes (no timing starts past --time-limit-s):
 (a) correctness cases in bfloat16, every row against a float32 dense
 reference, and a negative control (the mask dropped) that must fail; (b) the
@@ -27,8 +29,10 @@ for chain K=3 (4 query rows per request) and trees of 12, 16 and 32 nodes
 (leaf-sibling, W=4), contexts 1k / 8k / 32k, batch 1 / 8 / 32, and the whole
 model's attention time per extra node; (e) the tree walk, tree rows and KV
 commit kernels against the interpreter's results, and timed
-(tests/gpu/tree_kernels.py). The second command puts the figures
-into docs/benchmarks-gpu.md.
+(tests/gpu/tree_kernels.py); (f) a Gemma 4 MTP tree draft step captured in
+one CUDA graph, its replays against eager drafts, and timed with the host's
+work against the drafter before capture (tests/gpu/draft_step.py). The
+second command puts the figures into docs/benchmarks-gpu.md.
 
 Attention shapes, from the published configs: E4B has 42 layers (35 sliding: 8
 query heads, 2 KV heads, head_dim 256, window 512; 7 full: head_dim 512, 2 KV
@@ -57,7 +61,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.gpu import tree_kernels, verify_step  # noqa: E402
+from tests.gpu import draft_step, tree_kernels, verify_step  # noqa: E402
 from tests.gpu.tree_batches import (  # noqa: E402
     BLOCK_SIZE,
     Replay,
@@ -610,7 +614,47 @@ def render(summary: dict | None) -> str:
         f"{cell(commit.get('per_cache_copies_us'), '.1f')} "
         f"({cell(commit.get('per_cache_over_kernel'), '.1f')}x the kernel's) |"
     )
-    skipped = step.get("skipped_past_time_limit")
+    drafts = summary.get("draft_step", {})
+    draft_check = drafts.get("check", {})
+    lines += [
+        "",
+        "**A Gemma 4 MTP tree draft step in one CUDA graph** (stand-in E4B "
+        f"assistant, context {cell(drafts.get('context'), 'd')}; per step, the "
+        "host's time to issue it and its wall time, issued then synchronized):",
+        "",
+        "| tree | batch | before capture: host µs | ms | eager, persistent "
+        "buffers: host µs | ms | graph: host µs | ms | graph ms / before ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in draft_step.TREES:
+        for batch in draft_step.BATCH_SIZES:
+            point = drafts.get("by_tree", {}).get(name, {}).get(str(batch), {})
+            row = f"| {name} | {batch} |"
+            for mode in ("before", "eager", "graph"):
+                times = point.get(mode, {})
+                row += (
+                    f" {cell(times.get('host_us'), '.0f')} |"
+                    f" {cell(times.get('step_ms'), '.2f')} |"
+                )
+            ratio = (
+                point["graph"]["step_ms"] / point["before"]["step_ms"]
+                if point
+                else None
+            )
+            lines.append(row + f" {cell(ratio, '.2f')} |")
+    equal = draft_check.get("replayed_equal_eager")
+    lines += [
+        "",
+        f"Replayed drafts (3 requests on the graph of 4, two steps, float32): "
+        f"{cell(draft_check.get('nodes_compared'), 'd')} nodes, "
+        f"{'—' if equal is None else 'equal' if equal else 'NOT equal'} to the "
+        "eager drafts; with the roots not rewritten, "
+        f"{cell(draft_check.get('negative_control_requests_changed'), 'd')} of 3 "
+        "requests drafted differently.",
+    ]
+    skipped = step.get("skipped_past_time_limit", []) + drafts.get(
+        "skipped_past_time_limit", []
+    )
     if skipped:
         lines += ["", f"Skipped past the time limit: {', '.join(skipped)}."]
     return "\n".join(lines) + "\n"
@@ -669,6 +713,7 @@ def main() -> None:
     unified_attention = load_unified_attention(package)
     tree_kernel_modules = tree_kernels.load(package, args.vllm_src)
     tree_kernels_reference = tree_kernels.InterpreterResults(args.vllm_src, args.smoke)
+    roots_kernel, spec_token_tree = draft_step.load(package, args.vllm_src)
     name = (
         torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     )
@@ -697,6 +742,40 @@ def main() -> None:
     )
     summary["tree_kernels"] = tree_kernels.checks(
         *tree_kernel_modules, tree_kernels_reference, device, args.smoke
+    )
+    save()
+    print(
+        "* A Gemma 4 MTP tree draft step captured in one CUDA graph"
+        + (
+            " (replayed as repeated eager calls: no CUDA here)"
+            if device != "cuda"
+            else ""
+        )
+        + ": replays against eager drafts, and timed with the host's work",
+        flush=True,
+    )
+    summary["draft_step"] = {
+        "check": draft_step.check(
+            unified_attention, roots_kernel, spec_token_tree, device, args.smoke
+        ),
+        **draft_step.timings(
+            unified_attention,
+            roots_kernel,
+            spec_token_tree,
+            device,
+            dtype,
+            args.smoke,
+            deadline,
+        ),
+    }
+    draft_check = summary["draft_step"]["check"]
+    print(
+        f"  {draft_check['nodes_compared']} drafted nodes: replayed = eager "
+        f"{draft_check['replayed_equal_eager']}, before capture = eager "
+        f"{draft_check['before_equal_eager']}; roots not rewritten changed "
+        f"{draft_check['negative_control_requests_changed']} of "
+        f"{draft_check['requests']} requests",
+        flush=True,
     )
     save()
     print(
@@ -732,6 +811,12 @@ def main() -> None:
     ]
     if summary["tree_kernels"]["walk"]["negative_control_mismatched_cases"] == 0:
         failed.append("tree walk: shifted parents changed no case")
+    if not draft_check["replayed_equal_eager"]:
+        failed.append("draft step: a replayed draft differs from the eager one")
+    if not draft_check["before_equal_eager"]:
+        failed.append("draft step: the drafter before capture drafts differently")
+    if draft_check["negative_control_requests_changed"] == 0:
+        failed.append("draft step: roots not rewritten changed no draft")
     consistency = summary["verify_step"].get("consistency")
     if consistency and not consistency["passed"]:
         failed.append("verify step: a tree node differs from its path as a chain")

@@ -60,6 +60,16 @@ def test_device_checks_smoke_under_the_triton_interpreter(tmp_path):
     assert kernels["timings"]["kv_commit"]["word_bytes"] == 8
     assert kernels["timings"]["walk_us"] > 0 and kernels["timings"]["rows_us"] > 0
 
+    # The captured tree draft step: replays equal the eager drafts and the
+    # drafter before capture, stale roots caught, every mode timed.
+    drafts = summary["draft_step"]
+    assert drafts["check"]["passed"], drafts["check"]
+    assert drafts["check"]["nodes_compared"] > 0
+    assert drafts["check"]["negative_control_requests_changed"] > 0
+    for point in drafts["by_tree"]["smoke"].values():
+        assert set(point) == {"before", "eager", "graph"}
+        assert all(t["host_us"] > 0 and t["step_ms"] > 0 for t in point.values())
+
     step = summary["verify_step"]
     assert step["consistency"]["passed"], step["consistency"]
     assert not step["skipped_past_time_limit"]

@@ -50,11 +50,12 @@ MAX_NUM_NODES = 32  # the envelope that sizes the walk and rows kernels
 KV_BLOCK_SIZE = 16
 
 
-def cut_kernels_source(vllm_src: Path) -> str:
-    """The walk's and the rows' functions, decorators included, as one
-    module's source (Triton reads a kernel's source from its file)."""
+def cut_kernels_source(vllm_src: Path, kernels: dict = CUT_KERNELS) -> str:
+    """The functions `kernels` names (the walk's and the rows' by default),
+    decorators included, as one module's source (Triton reads a kernel's
+    source from its file)."""
     parts = ["import torch\nfrom vllm.triton_utils import tl, triton\n"]
-    for relative, names in CUT_KERNELS.items():
+    for relative, names in kernels.items():
         source = (vllm_src / relative).read_text()
         lines = source.splitlines(keepends=True)
         for node in ast.parse(source).body:
